@@ -1,0 +1,80 @@
+"""DeepSeek-V3 model package: registers its `ModelSpec` with the trainer's registry on import."""
+
+from __future__ import annotations
+
+from trainer.config import ConfigError
+from trainer.loss import cross_entropy_sum
+from trainer.registry import ModelSpec, register_model_spec
+
+from .args import FLAVORS, ModelArgs
+from .flops import count_params, training_flops_per_token
+from .model import DeepSeekV3Model
+from .moe import update_expert_bias
+from .mtp import mtp_loss
+from .parallelize import parallelize_deepseek_v3
+
+
+def build_args(job_config) -> ModelArgs:
+    """Model args for the job: the flavor (or a HF config.json), adapted to the job's MoE switches."""
+    model_cfg = job_config.model
+    if model_cfg.hf_config_path:
+        from .hf import args_from_hf_config_file
+
+        args = args_from_hf_config_file(model_cfg.hf_config_path)
+    elif model_cfg.flavor in FLAVORS:
+        args = FLAVORS[model_cfg.flavor]
+    else:
+        raise ConfigError("model.flavor", f"unknown flavor {model_cfg.flavor!r}", ", ".join(FLAVORS))
+    args = args.replace(use_grouped_mm=job_config.moe.use_grouped_mm)
+    seq_len = job_config.training.seq_len
+    if seq_len > args.max_seq_len:
+        raise ConfigError("training.seq_len", f"{seq_len} exceeds the model's maximum of {args.max_seq_len}",
+                          f"1..{args.max_seq_len}")
+    ep = job_config.parallelism.expert_parallel_degree
+    if args.n_routed_experts % ep:
+        raise ConfigError("parallelism.expert_parallel_degree",
+                          f"{ep} does not divide the {args.n_routed_experts} routed experts",
+                          ", ".join(str(d) for d in range(1, args.n_routed_experts + 1)
+                                    if args.n_routed_experts % d == 0))
+    return args
+
+
+def build_loss_fn(args: ModelArgs):
+    """Summed cross-entropy; with MTP, plus the weighted MTP losses (see `mtp.mtp_loss`)."""
+    if args.num_mtp_layers == 0:
+        return cross_entropy_sum
+    return lambda output, labels: mtp_loss(output, labels, args.mtp_loss_weight)
+
+
+def post_optimizer_step(model_parts, job_config, dp_group) -> dict[str, float]:
+    """Aux-loss-free expert-bias update (once per optimizer step) and the routing statistics to log."""
+    moe_layers = [m for part in model_parts for m in part.moe_layers()]
+    layer_ids = [m.layer_id for m in moe_layers]
+    counts_LE = update_expert_bias(moe_layers, job_config.moe.load_balance_coeff, dp_group)
+    scalars: dict[str, float] = {}
+    for layer_id, counts_E, moe in zip(layer_ids, counts_LE, moe_layers):
+        mean = counts_E.mean().clamp_min(1e-9)
+        scalars[f"moe/layer_{layer_id}/max_over_mean"] = (counts_E.max() / mean).item()
+        scalars[f"moe/layer_{layer_id}/bias_range"] = (moe.expert_bias.max() - moe.expert_bias.min()).item()
+    return scalars
+
+
+def counts(args: ModelArgs, seq_len: int) -> tuple[int, int, float]:
+    """(total params, active params, training FLOPs per token)."""
+    c = count_params(args)
+    return c.total, c.active, training_flops_per_token(args, seq_len)
+
+
+register_model_spec(ModelSpec(
+    name="deepseek_v3",
+    model_cls=DeepSeekV3Model,
+    flavors=FLAVORS,
+    build_args=build_args,
+    parallelize_fn=parallelize_deepseek_v3,
+    pipeline_fn=None,
+    build_loss_fn=build_loss_fn,
+    post_optimizer_step=post_optimizer_step,
+    counts=counts,
+))
+
+__all__ = ["DeepSeekV3Model", "ModelArgs", "FLAVORS", "build_args"]

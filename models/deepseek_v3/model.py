@@ -1,0 +1,256 @@
+"""DeepSeek-V3: embedding -> blocks (MLA attention + dense FFN or MoE) -> RMSNorm -> output head (+ MTP).
+
+Read top to bottom: RoPE/YaRN tables, MLA attention, the dense FFN, a block, the model. The MoE lives in
+`moe.py`, multi-token prediction in `mtp.py`.
+
+Pipeline parallelism deletes whole sub-modules (`tok_embeddings`, some of `layers`, `norm`, `output`) from a copy of
+this model per stage, so `forward` and `init_weights` tolerate any of them being absent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import ModelArgs
+from .moe import MoE, FeedForward
+
+
+# ----------------------------------------------------------------------------------------------- RoPE and YaRN
+
+def yarn_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse RoPE frequencies [rope_dim/2] in fp32, YaRN-blended when the model extends its context.
+
+    Dimensions rotating fast (more than `beta_fast` turns over the original context) keep their frequency,
+    slow ones (fewer than `beta_slow` turns) are interpolated by `rope_factor`; a linear ramp blends in between.
+    """
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if not args.yarn_enabled:
+        return inv_freq.float()
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(args.original_seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(args.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(args.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 = keep the original (extrapolated) frequency
+    blended = inv_freq / args.rope_factor * (1 - keep) + inv_freq * keep
+    return blended.float()
+
+
+def yarn_softmax_scale(args: ModelArgs) -> float:
+    """(qk_nope + qk_rope)^-0.5, times mscale^2 under YaRN (attention temperature correction)."""
+    scale = args.qk_head_dim ** -0.5
+    if args.yarn_enabled:
+        mscale = 0.1 * args.mscale * math.log(args.rope_factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
+
+
+def rope_tables(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [max_seq_len, rope_dim/2] in fp32."""
+    inv_freq = yarn_inv_freq(args).to(device)
+    angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, S, H, d] by the angles of cos/sin [S, d/2].
+
+    Same layout as DeepSeek's complex-number RoPE (HF `rope_interleave=True`), written with real arithmetic so
+    it compiles everywhere.
+    """
+    x_pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+# ----------------------------------------------------------------------------------------------- MLA attention
+
+class MLA(nn.Module):
+    """Multi-head latent attention.
+
+    q: `wq` (q_lora_rank = 0) or `wq_a -> RMSNorm -> wq_b`, split into [nope | rope] per head.
+    kv: `wkv_a` -> [kv_lora latent | k_rope]; RMSNorm on the latent, `wkv_b` -> [k_nope | v] per head.
+    RoPE only on the rope parts; k_rope is one head shared by all heads.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.q_lora_rank = args.q_lora_rank
+        self.kv_lora_rank = args.kv_lora_rank
+        self.qk_nope_head_dim = args.qk_nope_head_dim
+        self.qk_rope_head_dim = args.qk_rope_head_dim
+        self.v_head_dim = args.v_head_dim
+        self.softmax_scale = yarn_softmax_scale(args)
+        qk_dim = args.n_heads * args.qk_head_dim
+        if self.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, qk_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+            self.wq_b = nn.Linear(args.q_lora_rank, qk_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim),
+                               bias=False)
+        self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.wq(x_BSD) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        q_BSHd = q.view(B, S, self.n_heads, -1)
+        q_nope, q_rope = q_BSHd.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin)
+
+        latent, k_rope = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin)
+        kv_BSHd = self.wkv_b(self.kv_norm(latent)).view(B, S, self.n_heads, -1)
+        k_nope, v = kv_BSHd.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+
+        q_BHSd = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
+        k_BHSd = torch.cat([k_nope, k_rope.expand(-1, -1, self.n_heads, -1)], dim=-1).transpose(1, 2)
+        v_BHSd = v.transpose(1, 2)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True, scale=self.softmax_scale)
+        else:
+            out = F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, attn_mask=mask, scale=self.softmax_scale)
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+    def init_weights(self, init_std: float) -> None:
+        """Projections into the heads at std 0.02, the output projection depth-scaled."""
+        for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"):
+            if hasattr(self, name):
+                nn.init.trunc_normal_(getattr(self, name).weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for norm in (getattr(self, "q_norm", None), self.kv_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+
+def document_causal_mask(tokens_BS: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Boolean mask [B, 1, S, S]: causal, and no attention across an EOS (each EOS ends its document)."""
+    is_eos = (tokens_BS == eos_id).int()
+    doc_id = torch.cumsum(is_eos, dim=1) - is_eos  # the EOS itself belongs to the document it closes
+    same_doc = doc_id[:, :, None] == doc_id[:, None, :]
+    S = tokens_BS.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=tokens_BS.device).tril()
+    return (same_doc & causal).unsqueeze(1)
+
+
+# ----------------------------------------------------------------------------------------------- blocks
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: h + attn(norm(h)), then + ffn(norm(h)); the FFN is dense or MoE by layer id."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = MLA(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe_enabled = layer_id >= args.n_dense_layers
+        if self.moe_enabled:
+            self.moe = MoE(args, layer_id)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.inter_dim)
+        # depth-scaled init keeps the residual stream's variance bounded as layers add up
+        self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        # out-of-place adds: FSDP2 module outputs may be views, and an in-place add would drop its hooks
+        h = h + self.attention(self.attention_norm(h), cos, sin, mask)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.init_std)
+        if self.moe_enabled:
+            self.moe.init_weights(self.init_std, buffer_device)
+        else:
+            self.feed_forward.init_weights(self.init_std)
+
+
+class DeepSeekV3Model(nn.Module):
+    """The full model: `model(tokens [B, S]) -> logits [B, S, vocab]`.
+
+    With `num_mtp_layers > 0` and in training mode, the MTP heads' logits are stacked after the main ones:
+    `[1 + num_mtp_layers, B, S, vocab]` (see `mtp.py` and the loss in `trainer/loss.py`).
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        problems = args.check()
+        if problems:
+            raise ValueError("invalid model args: " + "; ".join(problems))
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # ModuleDict keyed by the global layer id, so pipeline stages keep the original parameter names
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.mtp = None
+        if args.num_mtp_layers > 0:
+            from .mtp import MTPModules
+
+            self.mtp = MTPModules(args)
+        cos, sin = rope_tables(args)  # on meta when built under `torch.device("meta")`; init_weights re-creates
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] (int) on the first pipeline stage, hidden states [B, S, D] on later ones."""
+        S = tokens.shape[1]
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        mask = None
+        if self.args.document_masking:
+            mask = document_causal_mask(tokens, self.args.eos_id)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, mask)
+        if self.norm is None:
+            return h
+        logits = self.output(self.norm(h)) if self.output is not None else self.norm(h)
+        if self.mtp is not None and self.training:
+            return self.mtp(h, tokens, logits, self, cos, sin, mask)
+        return logits
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter and re-create buffers; works on meta-materialised and sharded (DTensor) params."""
+        device = buffer_device if buffer_device is not None else self.rope_cos.device
+        cos, sin = rope_tables(self.args, device=device)
+        self.rope_cos = cos
+        self.rope_sin = sin
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights(device)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            std = self.args.dim ** -0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        if self.mtp is not None:
+            self.mtp.init_weights(device)
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE modules of this (possibly partial) model, in layer order."""
+        found = [layer.moe for layer in self.layers.values() if layer.moe_enabled]
+        if self.mtp is not None:
+            found += self.mtp.moe_layers()
+        return found

@@ -1,0 +1,252 @@
+"""DeepSeek-V3 mixture of experts: router, grouped experts, shared experts, load balancing.
+
+Path of the tokens through `MoE.forward`:
+    router (fp32 scores, bias-corrected top-k) -> dispatcher.dispatch (local sort, or EP communication)
+    -> grouped experts (one `torch._grouped_mm` per projection) -> multiply by routing weight
+    -> dispatcher.combine (back to token order, sum over top-k) -> + shared experts
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelisms.moe_comm.base import LocalTokenDispatcher, TokenDispatcher
+
+from .args import ModelArgs
+
+
+class FeedForward(nn.Module):
+    """SwiGLU FFN: w2(silu(w1 x) * w3 x). Used by dense layers and as the shared experts."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for w in (self.w2.weight, self.w3.weight):
+            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+
+
+class Router(nn.Module):
+    """Token-choice top-k router, DeepSeek-V3 style.
+
+    Scores are computed in fp32 (sigmoid for V3, softmax for V2). `expert_bias` shifts scores for *selection only*;
+    the weights are gathered from the unbiased scores. Group-limited routing keeps the `n_limited_groups` best
+    groups (group score = sum of its top-2 scores, or max for V2) and masks the rest at -inf before the top-k.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.n_routed_experts, bias=False)
+        self.num_experts = args.n_routed_experts
+        self.top_k = args.n_activated_experts
+        self.score_func = args.score_func
+        self.n_groups = args.n_expert_groups
+        self.n_limited_groups = args.n_limited_groups
+        self.group_score_func = args.group_score_func
+        self.route_norm = args.route_norm
+        self.route_scale = args.route_scale
+
+    def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return (topk_weights_TK fp32, topk_idx_TK int64, scores_TE fp32)."""
+        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        scores_TE = logits_TE.sigmoid() if self.score_func == "sigmoid" else logits_TE.softmax(dim=-1)
+        choice_TE = scores_TE.detach()
+        if expert_bias_E is not None:
+            choice_TE = choice_TE + expert_bias_E
+        if self.n_groups > 1:
+            T = x_TD.shape[0]
+            choice_TGe = choice_TE.view(T, self.n_groups, -1)
+            if self.group_score_func == "top2_sum":
+                group_scores_TG = choice_TGe.topk(2, dim=-1).values.sum(dim=-1)
+            else:
+                group_scores_TG = choice_TGe.amax(dim=-1)
+            kept_groups = group_scores_TG.topk(self.n_limited_groups, dim=-1).indices
+            dropped_TG = torch.ones_like(group_scores_TG, dtype=torch.bool).scatter(1, kept_groups, False)
+            choice_TE = choice_TGe.masked_fill(dropped_TG.unsqueeze(-1), float("-inf")).view(T, -1)
+        topk_idx_TK = choice_TE.topk(self.top_k, dim=-1).indices
+        topk_weights_TK = scores_TE.gather(1, topk_idx_TK)
+        if self.route_norm:
+            topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_weights_TK * self.route_scale, topk_idx_TK, scores_TE
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """Expert weights may be DTensors (sharded over EP); token counts vary per step, so compute on local shards."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts as stacked weights: w1, w3 [E, hidden, dim] and w2 [E, dim, hidden].
+
+    `use_grouped_mm` runs one `torch._grouped_mm` per projection over all experts (no host sync: offsets are a
+    device tensor); otherwise a per-expert loop, the reference oracle, which reads the counts on the host.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool):
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """x_ND rows grouped by expert (rows past sum(counts) are padding and come back as zeros)."""
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.use_grouped_mm:
+            return _experts_grouped_mm(x_ND, w1, w2, w3, counts_E)
+        return _experts_loop(x_ND, w1, w2, w3, counts_E)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+
+
+def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E):
+    offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)  # _grouped_mm wants int32 offsets
+    # Rows past the last offset are uninitialised memory in _grouped_mm's output and input-grad on CPU: zero the
+    # inputs there (so their gradient is exactly 0) and the outputs (so garbage never reaches a combine).
+    valid_N1 = (torch.arange(x_ND.shape[0], device=x_ND.device) < offsets_E[-1]).unsqueeze(-1)
+    x = torch.where(valid_N1, x_ND, 0)
+    compute_dtype = torch.bfloat16 if x.is_cuda else x.dtype  # the CUDA kernel is bf16-only
+    x = x.to(compute_dtype)
+    w1, w2, w3 = (w.to(compute_dtype).transpose(-2, -1) for w in (w1, w2, w3))
+    h = F.silu(torch._grouped_mm(x, w1, offs=offsets_E)) * torch._grouped_mm(x, w3, offs=offsets_E)
+    out = torch._grouped_mm(h, w2, offs=offsets_E).to(x_ND.dtype)
+    return torch.where(valid_N1, out, 0)
+
+
+def _experts_loop(x_ND, w1, w2, w3, counts_E):
+    outs, start = [], 0
+    for e, n in enumerate(counts_E.tolist()):
+        xe = x_ND[start:start + n]
+        outs.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
+        start += n
+    padding = x_ND.shape[0] - start
+    outs.append(x_ND.new_zeros(padding, x_ND.shape[1]))
+    return torch.cat(outs)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `out` whose backward also feeds d(aux)/d(aux) = grad_scale into the aux-loss graph.
+
+    This adds an auxiliary loss to the training objective without threading it through every module's return
+    value (which pipeline stages could not carry). grad_scale is captured at forward time, so later changes to the
+    module attribute cannot affect a pending backward.
+    """
+
+    @staticmethod
+    def forward(ctx, out, aux_loss, grad_scale: float):
+        ctx.grad_scale = grad_scale
+        ctx.aux_dtype = aux_loss.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_aux = torch.full((), ctx.grad_scale, dtype=ctx.aux_dtype, device=grad_out.device)
+        return grad_out, grad_aux, None
+
+
+def sequence_balance_loss(scores_BSE: torch.Tensor, topk_idx_BSK: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss, summed over the sequences of the batch.
+
+    Per sequence: f_i = E / (K S) * (tokens choosing expert i), P_i = mean over tokens of the normalised score of
+    expert i, loss = sum_i f_i P_i (1.0 when perfectly balanced).
+    """
+    B, S, E = scores_BSE.shape
+    K = topk_idx_BSK.shape[-1]
+    chosen_BSE = torch.zeros_like(scores_BSE).scatter_(2, topk_idx_BSK, 1.0)
+    f_BE = chosen_BSE.sum(dim=1) * (E / (K * S))
+    p_BE = (scores_BSE / scores_BSE.sum(dim=-1, keepdim=True)).mean(dim=1)
+    return (f_BE * p_BE).sum()
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts, with auxiliary-loss-free load balancing.
+
+    Buffers:
+      expert_bias [E] fp32, persistent (HF `e_score_correction_bias`): added to scores for selection only.
+      tokens_per_expert [E] fp32: tokens routed to each expert since the last bias update; counted only in
+      training forwards (not under no_grad / eval, and not in activation-checkpoint recompute).
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
+        super().__init__()
+        E = args.n_routed_experts
+        self.layer_id = layer_id  # for per-layer routing metrics
+        self.router = Router(args)
+        self.experts = GroupedExperts(args.dim, args.moe_inter_dim, E, args.use_grouped_mm)
+        self.shared_experts = (FeedForward(args.dim, args.moe_inter_dim * args.n_shared_experts)
+                               if args.n_shared_experts > 0 else None)
+        self.dispatcher: TokenDispatcher = LocalTokenDispatcher(E)
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
+        self.aux_loss_coeff = 0.0
+        # set by the trainer each step to 1 / (global valid tokens), the same normalisation as the LM loss
+        self.aux_loss_grad_scale = 1.0
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(-1, D)
+        topk_weights_TK, topk_idx_TK, scores_TE = self.router(x_TD, self.expert_bias)
+        counts_E = torch.zeros(self.router.num_experts, dtype=torch.int64, device=x_TD.device)
+        counts_E = counts_E.scatter_add_(0, topk_idx_TK.reshape(-1), torch.ones_like(topk_idx_TK.reshape(-1)))
+        # A recompute under activation checkpointing runs inside backward (graph task id != -1): never count twice.
+        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts_E.float())
+
+        routed = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weights_TK, counts_E)
+        y_ND = self.experts(routed.x_ND, routed.counts_E)
+        y_ND = y_ND * routed.weights_N.unsqueeze(-1).to(y_ND.dtype)
+        out_TD = self.dispatcher.combine(y_ND, routed.state)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+
+        if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
+            # sum form (x S tokens per sequence): divided by the global token count like the LM loss
+            aux = self.aux_loss_coeff * S * sequence_balance_loss(scores_TE.view(B, S, -1), topk_idx_TK.view(B, S, -1))
+            out_TD = _AttachAuxLoss.apply(out_TD, aux, self.aux_loss_grad_scale)
+        return out_TD.view(B, S, D)
+
+    def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
+        nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=init_std)
+        self.experts.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        device = buffer_device if buffer_device is not None else self.expert_bias.device
+        self.expert_bias = torch.zeros_like(self.expert_bias, device=device)
+        self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert, device=device)
+
+
+@torch.no_grad()
+def update_expert_bias(moe_layers: list[MoE], coeff: float, group=None) -> torch.Tensor:
+    """Auxiliary-loss-free balancing step, once per optimizer step; returns the step's token counts [L, E].
+
+    The counts of all layers are all-reduced in one call over the data-parallel group (every rank routes its own
+    tokens to all experts), then each bias moves by coeff * sign(mean - count), centred so the biases do not drift.
+    """
+    if not moe_layers:
+        return torch.zeros(0, 0)
+    counts_LE = torch.stack([m.tokens_per_expert for m in moe_layers])
+    if group is not None and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts_LE, group=group)
+    if coeff > 0:
+        delta_LE = coeff * torch.sign(counts_LE.mean(dim=-1, keepdim=True) - counts_LE)
+        delta_LE = delta_LE - delta_LE.mean(dim=-1, keepdim=True)
+        for moe, delta_E in zip(moe_layers, delta_LE):
+            moe.expert_bias.add_(delta_E)
+    for moe in moe_layers:
+        moe.tokens_per_expert.zero_()
+    return counts_LE

@@ -1,0 +1,75 @@
+"""The token dispatcher interface between the MoE layer and its communication backend.
+
+`MoE.forward` calls `dispatch` after routing and `combine` after the experts; what happens in between (nothing, an
+all-to-all over the EP group, or DeepEP) is the backend's business. The per-call state is returned by `dispatch` and
+handed back to `combine` explicitly: a backend never keeps it on `self`, so an activation-checkpoint recompute or a
+second pipeline microbatch cannot overwrite the state of another call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+
+class Dispatched(NamedTuple):
+    """What the experts of this rank receive.
+
+    x_ND: token rows grouped by local expert (expert 0's rows first); may hold padding rows past sum(counts).
+    weights_N: the routing weight of each row (fp32); the MoE multiplies expert outputs by it before `combine`.
+    counts_E: rows per local expert (int tensor on the device; no host sync needed to read offsets).
+    state: opaque, owned by this call; pass it to `combine` once.
+    """
+
+    x_ND: torch.Tensor
+    weights_N: torch.Tensor
+    counts_E: torch.Tensor
+    state: Any
+
+
+class TokenDispatcher:
+    """Base class of the communication backends. Stateless between calls."""
+
+    #: number of experts that live on this rank (set by the backend from the EP degree)
+    num_local_experts: int
+
+    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                 num_tokens_per_expert: torch.Tensor) -> Dispatched:
+        """Send each (token, expert) pair to the rank that owns the expert, grouped by local expert."""
+        raise NotImplementedError
+
+    def combine(self, y_ND: torch.Tensor, state: Any) -> torch.Tensor:
+        """Return the weighted expert outputs to their tokens and sum over the top-k: [T, D]."""
+        raise NotImplementedError
+
+
+class LocalState(NamedTuple):
+    """Permutation of a local dispatch: row n of the grouped layout is (token order[n] // K, slot order[n] % K)."""
+
+    order_N: torch.Tensor
+    num_tokens: int
+    top_k: int
+
+
+class LocalTokenDispatcher(TokenDispatcher):
+    """No communication (EP = 1): sort the (token, expert) pairs by expert and back.
+
+    Everything stays on the device: a stable argsort groups rows, counts come from the router as a tensor.
+    """
+
+    def __init__(self, num_experts: int):
+        self.num_local_experts = num_experts
+
+    def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK, num_tokens_per_expert):
+        T, K = topk_idx_TK.shape
+        order_N = torch.argsort(topk_idx_TK.reshape(-1), stable=True)
+        x_ND = x_TD[order_N // K]
+        weights_N = topk_weights_TK.reshape(-1)[order_N]
+        return Dispatched(x_ND, weights_N, num_tokens_per_expert, LocalState(order_N, T, K))
+
+    def combine(self, y_ND, state: LocalState):
+        inverse_N = torch.empty_like(state.order_N)
+        inverse_N[state.order_N] = torch.arange(state.order_N.numel(), device=state.order_N.device)
+        y_TKD = y_ND[inverse_N].view(state.num_tokens, state.top_k, -1)
+        return y_TKD.sum(dim=1)

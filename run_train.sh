@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Train: NGPU processes on this node via torchrun, config from CONFIG_FILE, every extra argument is a config
+# override (--section.key value). Multi-node: set NNODES, NODE_RANK and RDZV_ENDPOINT (host:port) on every node,
+# or pass any torchrun flags in TORCHRUN_ARGS. MAX_RESTARTS enables torchrun's elastic restarts.
+set -euo pipefail
+cd "$(dirname "$0")"
+source tools/ensure_venv.sh
+
+NGPU="${NGPU:-1}"
+NNODES="${NNODES:-1}"
+CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
+
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  # CPU ranks stand in for GPUs: share the cores between the NGPU processes instead of oversubscribing them.
+  cores="$(nproc)"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / NGPU > 0 ? cores / NGPU : 1 ))}"
+fi
+
+# Bad config or input fails here, before any process group: one line, exit code 2, nothing written.
+python -m trainer.preflight --world-size "$(( NGPU * NNODES ))" --job.config_file "$CONFIG_FILE" "$@"
+
+if [ "$NNODES" -gt 1 ]; then
+  rdzv=(--nnodes="$NNODES" --node_rank="${NODE_RANK:?set NODE_RANK}" --rdzv_backend=c10d
+        --rdzv_endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port}" --rdzv_id="${RDZV_ID:-dsv3}")
+else
+  rdzv=(--standalone)
+fi
+# shellcheck disable=SC2086
+exec torchrun --nproc_per_node="$NGPU" "${rdzv[@]}" --max-restarts="$MAX_RESTARTS" ${TORCHRUN_ARGS:-} \
+  -m trainer.train --job.config_file "$CONFIG_FILE" "$@"

@@ -1,0 +1,229 @@
+"""Data: packing, layout-invariant global order, resume, epochs, local files via datasets, the corpus."""
+
+import os
+
+# No test may reach the network; set before anything imports huggingface libraries.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TIKTOKEN_CACHE_DIR"] = ""
+
+import importlib.util
+import json
+import pickle
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trainer.data import (
+    IGNORE_INDEX,
+    ListDocuments,
+    PackedDataLoader,
+    build_dataloader,
+    count_label_tokens,
+)
+from trainer.tokenizer import build_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = ["First document.", "Second one, a little longer than the first.", "3rd", "Fourth and last document here."]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer("assets/tokenizer/pydoc_bpe.tiktoken")
+
+
+@pytest.fixture
+def offline_datasets(tmp_path, monkeypatch):
+    """`datasets` with its cache in tmp and offline flags forced even if it was imported earlier."""
+    datasets_config = pytest.importorskip("datasets.config")
+    monkeypatch.setattr(datasets_config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    monkeypatch.setattr(datasets_config, "HF_HUB_OFFLINE", True)
+    if hasattr(datasets_config, "HF_DATASETS_OFFLINE"):
+        monkeypatch.setattr(datasets_config, "HF_DATASETS_OFFLINE", True)
+
+
+def _stream(tok, docs):
+    return [t for d in docs for t in tok.encode(d, bos=True, eos=True)]
+
+
+def _loader(tok, docs, seq_len, gbs, rank=0, dp=1):
+    return PackedDataLoader(ListDocuments(docs), tok, seq_len, gbs, rank, dp)
+
+
+def _pydoc(split="train"):
+    return SimpleNamespace(name="pydoc", path=None, split=split, streaming=False, text_field="text")
+
+
+def test_packing_concatenates_documents_with_bos_eos_and_shifts_labels(tok):
+    seq_len, gbs = 5, 2
+    stream = _stream(tok, DOCS)
+    loader = _loader(tok, DOCS, seq_len, gbs)
+    n_steps = len(stream) // ((seq_len + 1) * gbs)
+    assert n_steps >= 2
+    for step in range(n_steps):
+        inputs, labels = loader.next_batch()
+        assert inputs.shape == labels.shape == (gbs, seq_len) and inputs.dtype == torch.long
+        for row in range(gbs):
+            start = (step * gbs + row) * (seq_len + 1)
+            sequence = stream[start : start + seq_len + 1]
+            assert inputs[row].tolist() == sequence[:-1]
+            assert labels[row].tolist() == sequence[1:]
+    # An EOS is followed by the next document's BOS inside the packed stream.
+    eos_at = stream.index(tok.eos_id)
+    assert stream[eos_at + 1] == tok.bos_id
+
+
+def test_dp_slices_and_microbatches_form_the_global_batch(tok):
+    docs = [json.loads(line)["text"] for line in (REPO / "assets/data/pydoc_corpus_val.jsonl").read_text().splitlines()]
+    seq_len, gbs, steps = 16, 8, 4
+    for dp in (2, 4):
+        ranks = [_loader(tok, docs, seq_len, gbs, r, dp) for r in range(dp)]
+        reference = _loader(tok, docs, seq_len, gbs)
+        for _ in range(steps):
+            want_inputs, want_labels = reference.next_batch()
+            parts = [loader.next_batch() for loader in ranks]
+            assert all(p[0].shape == (gbs // dp, seq_len) for p in parts)
+            assert torch.equal(torch.cat([p[0] for p in parts]), want_inputs)
+            assert torch.equal(torch.cat([p[1] for p in parts]), want_labels)
+            # Gradient accumulation: each rank splits its slice into microbatches in order.
+            microbatches = [mb for p in parts for mb in p[0].split(1)]
+            assert torch.equal(torch.cat(microbatches), want_inputs)
+
+
+@pytest.mark.parametrize("resume_dp", [1, 2, 4])
+def test_resume_yields_the_uninterrupted_batches(tok, resume_dp):
+    docs = DOCS * 3
+    seq_len, gbs, total, k = 7, 4, 9, 4
+    straight = _loader(tok, docs, seq_len, gbs)
+    expected = [straight.next_batch() for _ in range(total)]
+    assert straight.epoch >= 1  # the run crosses an epoch boundary
+
+    first = _loader(tok, docs, seq_len, gbs, rank=0, dp=2)
+    for _ in range(k):
+        first.next_batch()
+    # The state is plain data: survives pickling (torch.save) and JSON.
+    state = json.loads(json.dumps(pickle.loads(pickle.dumps(first.state_dict()))))
+    assert state["sequences_consumed"] == k * gbs
+
+    resumed = [_loader(tok, docs, seq_len, gbs, r, resume_dp) for r in range(resume_dp)]
+    for loader in resumed:
+        loader.load_state_dict(state)
+    for step in range(k, total):
+        parts = [loader.next_batch() for loader in resumed]
+        assert torch.equal(torch.cat([p[0] for p in parts]), expected[step][0])
+        assert torch.equal(torch.cat([p[1] for p in parts]), expected[step][1])
+    assert resumed[0].state_dict() == straight.state_dict()
+
+
+def test_epoch_wrap_continues_the_stream(tok):
+    seq_len, gbs = 3, 1
+    loader = _loader(tok, DOCS, seq_len, gbs)
+    stream = _stream(tok, DOCS)
+    n = 3 * len(stream) // (seq_len + 1)
+    got = []
+    for _ in range(n):
+        inputs, labels = loader.next_batch()
+        got += inputs[0].tolist() + labels[0, -1:].tolist()
+    assert got == (stream * 3)[: len(got)]
+    assert loader.epoch == 2
+
+
+def test_loader_argument_and_state_errors(tok):
+    with pytest.raises(ValueError, match="not divisible"):
+        _loader(tok, DOCS, 4, 6, 0, 4)
+    with pytest.raises(ValueError, match="outside"):
+        _loader(tok, DOCS, 4, 4, 2, 2)
+    with pytest.raises(ValueError, match="no documents"):
+        _loader(tok, [], 4, 2).next_batch()
+    with pytest.raises(ValueError, match="lacks buffer"):
+        _loader(tok, DOCS, 4, 2).load_state_dict({"epoch": 0, "doc_index": 0, "sequences_consumed": 0})
+
+
+def test_count_label_tokens():
+    labels = torch.tensor([[1, 2, IGNORE_INDEX], [IGNORE_INDEX, IGNORE_INDEX, 5]])
+    assert count_label_tokens(labels) == 3
+    assert count_label_tokens(torch.ones(2, 4, dtype=torch.long)) == 8
+
+
+def test_pydoc_train_and_validation_splits(tok):
+    train = build_dataloader(_pydoc(), tok, seq_len=32, global_batch_size=4, dp_rank=1, dp_degree=2)
+    val = build_dataloader(_pydoc(), tok, 32, 4, 0, 1, split_override="validation")
+    inputs, labels = train.next_batch()
+    assert inputs.shape == (2, 32) and count_label_tokens(labels) == 64
+    assert val.next_batch()[0][0, 0] == tok.bos_id
+    assert len(train.source.texts) > 300 and 10 <= len(val.source.texts) < 30
+    with pytest.raises(ValueError, match="not 'test'"):
+        build_dataloader(_pydoc("test"), tok, 32, 4, 0, 1)
+
+
+def test_missing_local_path(tok):
+    cfg = SimpleNamespace(name="pydoc", path="no/such/data.jsonl", split="train", streaming=False, text_field="text")
+    with pytest.raises(ValueError, match=r"dataset path 'no/such/data.jsonl' not found") as err:
+        build_dataloader(cfg, tok, 8, 2, 0, 1)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_local_jsonl_through_datasets_matches_builtin(tok, offline_datasets, streaming, tmp_path):
+    seq_len, gbs = 64, 4
+    builtin = build_dataloader(_pydoc("validation"), tok, seq_len, gbs, 0, 1)
+    cfg = SimpleNamespace(name="ignored", path="assets/data/pydoc_corpus_val.jsonl", split="train",
+                          streaming=streaming, text_field="text")
+    local = build_dataloader(cfg, tok, seq_len, gbs, 0, 1)
+    for _ in range(3):
+        a, b = builtin.next_batch(), local.next_batch()
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # Resume in the middle of the file goes through dataset.skip().
+    resumed = build_dataloader(cfg, tok, seq_len, gbs, 1, 2)
+    resumed.load_state_dict(local.state_dict())
+    assert resumed.doc_index > 0
+    assert torch.equal(resumed.next_batch()[0], builtin.next_batch()[0][gbs // 2 :])
+
+
+def test_local_txt_dir_and_custom_field(tok, offline_datasets, tmp_path):
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("Alpha paragraph\nstill alpha.\n\nBeta paragraph.\n", encoding="utf-8")
+    cfg = SimpleNamespace(name="x", path=str(text_file), split="train", streaming=True, text_field="text")
+    loader = build_dataloader(cfg, tok, 4, 1, 0, 1)
+    assert list(loader.source.iter_texts(0)) == ["Alpha paragraph\nstill alpha.", "Beta paragraph.\n"]
+
+    data_dir = tmp_path / "shards"
+    data_dir.mkdir()
+    for i, body in enumerate(["one", "two", "three"]):
+        (data_dir / f"part-{i}.jsonl").write_text(json.dumps({"body": body}) + "\n")
+    cfg = SimpleNamespace(name="x", path=str(data_dir), split="train", streaming=True, text_field="body")
+    loader = build_dataloader(cfg, tok, 4, 1, 0, 1)
+    assert list(loader.source.iter_texts(1)) == ["two", "three"]
+    loader.source.text_field = "missing"
+    with pytest.raises(ValueError, match="no string field 'missing'"):
+        list(loader.source.iter_texts(0))
+
+    (data_dir / "extra.txt").write_text("mixed")
+    with pytest.raises(ValueError, match="mixes file types"):
+        build_dataloader(cfg, tok, 4, 1, 0, 1)
+
+
+def test_corpus_generation_is_deterministic(tmp_path):
+    tool = REPO / "tools" / "make_corpus.py"
+    spec = importlib.util.spec_from_file_location("make_corpus", tool)
+    make_corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_corpus)
+    outputs = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        subprocess.run([sys.executable, str(tool), "--out-dir", str(out)], check=True, capture_output=True)
+        outputs.append([(out / name).read_bytes() for name in (make_corpus.TRAIN_FILE, make_corpus.VAL_FILE)])
+    assert outputs[0] == outputs[1]
+    train_lines = outputs[0][0].decode().splitlines()
+    val_lines = outputs[0][1].decode().splitlines()
+    assert 300 <= len(train_lines) and 0.03 <= len(val_lines) / (len(train_lines) + len(val_lines)) <= 0.05
+    assert all(len(json.loads(line)["text"]) <= 2000 for line in train_lines + val_lines)
+    if platform.python_version() == make_corpus.REFERENCE_PYTHON:
+        committed = REPO / "assets" / "data"
+        assert outputs[0] == [(committed / make_corpus.TRAIN_FILE).read_bytes(),
+                              (committed / make_corpus.VAL_FILE).read_bytes()]

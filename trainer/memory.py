@@ -1,0 +1,308 @@
+"""Memory measurement behind one interface, whatever the device.
+
+The train loop does::
+
+    monitor = MemoryMonitor(device, mode=cfg.track)
+    monitor.track(model, optimizer)
+    with monitor:
+        for step in ...:
+            ...train step...
+            stats = monitor.step_end()
+            metric_logger.log(step, MemoryMonitor.to_scalars(stats))
+
+and never asks which device it runs on: CUDA reads the caching allocator's counters, CPU (which has no
+allocator statistics) counts every tensor storage with torch's ``MemTracker``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch._dynamo.eval_frame import OptimizedModule
+from torch.distributed._tools import mem_tracker as _mem_tracker_module
+from torch.distributed._tools.mem_tracker import MemTracker
+
+__all__ = ["MemoryMonitor", "MemoryStats"]
+
+_GiB = float(1 << 30)
+
+# MemTracker's seven categories folded into the five the trainer reports. Buffers (RoPE tables, expert bias)
+# are model state but not parameters, so they go to "other" and "parameters" stays exactly sum(numel * itemsize).
+# "Temp" is backward-only transient memory (gradients of activations), the backward half of activation memory.
+_CATEGORY = {
+    "Parameter": "parameters",
+    "Gradient": "gradients",
+    "Optstate": "optimizer_state",
+    "Activation": "activations",
+    "Temp": "activations",
+    "Buffer": "other",
+    "Other": "other",
+}
+_TOTAL = "Total"
+# MemTracker and the ModTracker it drives live here; used to recognise their frames in a traceback.
+_TRACKER_DIR = os.path.dirname(_mem_tracker_module.__file__)
+
+_HINT = (
+    'Set memory.track = "off" to train without memory tracking (or "auto" on CUDA, which reads the cheap '
+    "allocator counters instead of tracking every tensor)."
+)
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory of one training step, in bytes.
+
+    Attributes:
+        allocated_bytes: tensor memory alive at the end of the step.
+        peak_bytes: highest tensor memory since the previous ``step_end`` (since entering the monitor for the
+            first step).
+        reserved_bytes: memory the process holds beyond live tensors: the CUDA caching allocator's reserved
+            bytes, or on CPU the process resident set size (RSS, includes the Python heap and libraries).
+        num_alloc_retries: CUDA allocations that had to free cached blocks and retry (cumulative); 0 on CPU.
+        num_ooms: CUDA out-of-memory errors caught by the allocator (cumulative); 0 on CPU.
+        breakdown: ``allocated_bytes`` split into parameters, gradients, optimizer_state, activations and
+            other (exact mode only, empty otherwise); the values sum to ``allocated_bytes``.
+        peak_breakdown: the same split at the moment of the step's peak; sums to ``peak_bytes``.
+    """
+
+    allocated_bytes: int = 0
+    peak_bytes: int = 0
+    reserved_bytes: int = 0
+    num_alloc_retries: int = 0
+    num_ooms: int = 0
+    breakdown: dict[str, int] = field(default_factory=dict)
+    peak_breakdown: dict[str, int] = field(default_factory=dict)
+
+
+class _StepMemTracker(MemTracker):
+    """``MemTracker`` with a per-step peak and tolerance for several forward calls per step.
+
+    Relies on two private parts of ``MemTracker``: its ``_pre_fw_hook`` and its ``_peak_mem``/``_peak_mem_snap``
+    fields. The constructor turns a missing one into a clear error, should a torch upgrade rename them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        if not (hasattr(MemTracker, "_pre_fw_hook") and hasattr(self, "_peak_mem") and hasattr(self, "_peak_mem_snap")):
+            raise RuntimeError(f"this torch's MemTracker lacks the internals exact memory tracking relies on. {_HINT}")
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        try:
+            super()._pre_fw_hook(module, inputs)
+        except NotImplementedError:
+            # MemTracker refuses a second top-level forward of a module before reset_mod_stats(), but gradient
+            # accumulation and pipeline microbatches do exactly that within one step. The per-module stats it
+            # guards are never read here, so forget the module's stale entry and record this call afresh.
+            # Submodules keep their entries: a pending backward of an earlier microbatch still needs them.
+            del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    def reset_peak(self) -> None:
+        """Restart peak tracking from the current usage.
+
+        MemTracker keeps one peak from ``__enter__`` on and offers no reset, so without this the peak of every
+        later step would be the peak of the whole run.
+        """
+        self._peak_mem_snap = self.get_tracker_snapshot("current")
+        self._peak_mem = {dev: snap[_TOTAL] for dev, snap in self._peak_mem_snap.items()}
+
+
+def _fold(snapshot: dict[str, int] | None) -> dict[str, int]:
+    """Fold one device's MemTracker snapshot into the trainer's five categories."""
+    folded = dict.fromkeys(_CATEGORY.values(), 0)
+    for key, nbytes in (snapshot or {}).items():
+        # Keys are str-valued enums whose hash differs from their string value, so compare by value.
+        name = getattr(key, "value", key)
+        if name != _TOTAL:
+            folded[_CATEGORY[name]] += nbytes
+    return folded
+
+
+def _process_rss_bytes() -> int:
+    """Resident set size of this process; 0 where /proc is missing (macOS), since it is only informative."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+    except OSError:
+        return 0
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _passes_through_tracker(tb: TracebackType | None) -> bool:
+    """Whether a traceback contains a frame of torch's memory/module trackers."""
+    while tb is not None:
+        if os.path.dirname(tb.tb_frame.f_code.co_filename) == _TRACKER_DIR:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _compiled_submodules(module: torch.nn.Module) -> list[str]:
+    """Names of submodules wrapped by ``torch.compile`` or compiled in place with ``Module.compile()``."""
+    return [
+        name or type(module).__name__
+        for name, sub in module.named_modules()
+        if isinstance(sub, OptimizedModule) or getattr(sub, "_compiled_call_impl", None) is not None
+    ]
+
+
+class MemoryMonitor:
+    """Per-step memory statistics through one interface on CPU and CUDA.
+
+    Modes:
+        ``"auto"``: on CUDA the caching allocator's counters (``torch.cuda.memory_stats``, essentially free);
+        on any other device ``"exact"``, because the CPU build has no allocator statistics at all.
+        ``"exact"``: torch's ``MemTracker`` (a ``TorchDispatchMode``) counts every tensor storage created in the
+        ``with`` block plus what ``track`` registers, broken down into parameters, gradients, optimizer state,
+        activations and other. Exact to the byte on CPU, including FSDP2's ``storage.resize_`` (on CUDA each
+        storage is rounded up to 512 bytes like the allocator does).
+        ``"off"``: nothing is measured; every field is 0.
+
+    Overhead of exact tracking: every aten op (and every storage it creates) goes through Python, about 0.05-0.07 ms
+    per op on the 2-core dev machine with ``torch.set_num_threads(1)``. Measured on an MLP training step (3 linear
+    layers, batch 64, AdamW, 111 aten ops per step), median step time with ``mode="off"`` vs ``"exact"``:
+    hidden width 1024: 9.1 ms vs 16.6 ms (1.8x); hidden width 64: 0.75 ms vs 6.7 ms (9x). The cost is per op,
+    not per byte, so real model sizes hide it while many tiny ops magnify it; use ``"off"`` for benchmarking.
+
+    Limitations of exact mode:
+        * ``torch.compile``: dynamo does not run compiled code while a dispatch mode is active; the model runs
+          eagerly, and a compiled frame once run under the tracker stays eager even after the ``with`` block.
+          ``track`` therefore refuses compiled modules; a compiled free function (a compiled loss) cannot be
+          detected and silently runs eagerly under exact tracking.
+        * Only tensors created inside the ``with`` block, or registered with ``track``, are counted.
+        * Work in other threads (e.g. async checkpoint staging) is not seen.
+    FSDP2 (``fully_shard``) works: local shards, unsharded parameters and their ``resize_`` are all counted.
+
+    Use it as a context manager around the whole training loop and call ``step_end`` once per optimizer step.
+    An instance is single-use.
+    """
+
+    def __init__(self, device: torch.device | str, mode: str = "auto") -> None:
+        if mode not in ("auto", "exact", "off"):
+            raise ValueError(f'memory tracking mode must be "auto", "exact" or "off", got {mode!r}')
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            # MemTracker keys its snapshots by the tensors' device, which always carries an index.
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        if mode == "auto":
+            mode = "allocator" if device.type == "cuda" else "exact"
+        self.mode = mode
+        self._tracker = _StepMemTracker() if mode == "exact" else None
+        self._state = "new"  # new -> entered -> exited
+
+    def track(self, *objects: torch.nn.Module | torch.optim.Optimizer | torch.Tensor) -> None:
+        """Count memory of models, optimizers or tensors created before the monitor was entered.
+
+        Call it before entering and again whenever such state appears outside the tracked region (e.g. optimizer
+        state loaded from a checkpoint). Storages are counted once however often they are registered, and
+        optimizer state created by ``optimizer.step()`` inside the ``with`` block is counted automatically. A
+        no-op unless the mode is exact, since the allocator counters already see everything.
+        """
+        if self._tracker is None:
+            return
+        for obj in objects:
+            if isinstance(obj, torch.nn.Module) and (compiled := _compiled_submodules(obj)):
+                names = ", ".join(repr(n) for n in compiled[:3]) + (", ..." if len(compiled) > 3 else "")
+                raise ValueError(
+                    f"exact memory tracking cannot measure a torch.compile'd model (compiled: {names}): dynamo "
+                    f"does not run compiled code while a dispatch mode is active, so the model would silently run "
+                    f"eagerly. Disable compile, or: {_HINT}"
+                )
+        try:
+            self._tracker.track_external(*objects)
+        except Exception as exc:
+            raise RuntimeError(f"exact memory tracking could not register {len(objects)} object(s). {_HINT}") from exc
+
+    def __enter__(self) -> MemoryMonitor:
+        if self._state != "new":
+            raise RuntimeError("a MemoryMonitor can be entered only once; create a new one")
+        if self._tracker is not None:
+            try:
+                self._tracker.__enter__()
+            except Exception as exc:
+                raise RuntimeError(f"exact memory tracking (MemTracker) failed to start. {_HINT}") from exc
+        elif self.mode == "allocator":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._state = "entered"
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._state = "exited"
+        if self._tracker is None:
+            return
+        self._tracker.__exit__(exc_type, exc, tb)
+        self._tracker.reset_mod_stats()
+        # Every aten op of the loop runs inside the tracker, so its frames are in the traceback of any op error,
+        # not only of the tracker's own failures: a note (not a new exception type) points at the way out
+        # without hiding what actually failed. add_note exists from Python 3.11 on.
+        if isinstance(exc, Exception) and hasattr(exc, "add_note") and _passes_through_tracker(tb):
+            exc.add_note(f"Raised while exact memory tracking was active. If the tracker is at fault: {_HINT}")
+
+    def step_end(self) -> MemoryStats:
+        """Statistics of the step that just ended; starts the peak of the next step."""
+        if self._state != "entered":
+            raise RuntimeError("MemoryMonitor.step_end() must be called inside `with monitor:`")
+        if self.mode == "off":
+            return MemoryStats()
+        if self.mode == "allocator":
+            return self._allocator_step_end()
+        return self._exact_step_end()
+
+    def _allocator_step_end(self) -> MemoryStats:
+        stats = torch.cuda.memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return MemoryStats(
+            allocated_bytes=stats.get("allocated_bytes.all.current", 0),
+            peak_bytes=stats.get("allocated_bytes.all.peak", 0),
+            reserved_bytes=stats.get("reserved_bytes.all.current", 0),
+            num_alloc_retries=stats.get("num_alloc_retries", 0),
+            num_ooms=stats.get("num_ooms", 0),
+        )
+
+    def _exact_step_end(self) -> MemoryStats:
+        tracker = self._tracker
+        current = tracker.get_tracker_snapshot("current").get(self.device)
+        peak = tracker.get_tracker_snapshot("peak").get(self.device)
+        # MemTracker appends module-wise snapshots on every module call; clearing them each step keeps that
+        # history (host memory) from growing over the run. The peak restarts here so that peak_bytes is the
+        # peak of the coming step only.
+        tracker.reset_mod_stats()
+        tracker.reset_peak()
+        if self.device.type == "cuda":
+            cuda_stats = torch.cuda.memory_stats(self.device)
+            reserved = cuda_stats.get("reserved_bytes.all.current", 0)
+            retries, ooms = cuda_stats.get("num_alloc_retries", 0), cuda_stats.get("num_ooms", 0)
+        else:
+            reserved, retries, ooms = _process_rss_bytes(), 0, 0
+        return MemoryStats(
+            allocated_bytes=(current or {}).get(_TOTAL, 0),
+            peak_bytes=(peak or {}).get(_TOTAL, 0),
+            reserved_bytes=reserved,
+            num_alloc_retries=retries,
+            num_ooms=ooms,
+            breakdown=_fold(current),
+            peak_breakdown=_fold(peak),
+        )
+
+    @staticmethod
+    def to_scalars(stats: MemoryStats) -> dict[str, float]:
+        """Tensorboard-ready scalars: sizes in GiB under ``memory/``, counters as plain numbers."""
+        scalars = {
+            "memory/allocated_GiB": stats.allocated_bytes / _GiB,
+            "memory/peak_allocated_GiB": stats.peak_bytes / _GiB,
+            "memory/reserved_GiB": stats.reserved_bytes / _GiB,
+            "memory/num_alloc_retries": float(stats.num_alloc_retries),
+            "memory/num_ooms": float(stats.num_ooms),
+        }
+        for name, nbytes in stats.breakdown.items():
+            scalars[f"memory/breakdown/{name}_GiB"] = nbytes / _GiB
+        for name, nbytes in stats.peak_breakdown.items():
+            scalars[f"memory/peak_breakdown/{name}_GiB"] = nbytes / _GiB
+        return scalars

@@ -1,0 +1,26 @@
+"""Check a job before launching it: `python -m trainer.preflight --world-size N [config args]`.
+
+`run_train.sh` calls this once before torchrun, so a bad config, tokenizer or dataset ends with one line and exit
+code 2 instead of one torchrun failure report per rank. The trainer repeats the same checks in every rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from trainer.config import load_config, run_with_config_errors
+from trainer.train import prepare
+
+
+def _check(argv: list[str]) -> None:
+    world_size = 1
+    if argv[:1] == ["--world-size"]:
+        world_size, argv = int(argv[1]), argv[2:]
+    cfg = load_config(argv)
+    if cfg.job.print_config:
+        return  # the trainer prints it
+    prepare(cfg, world_size, rank=0)
+
+
+if __name__ == "__main__":
+    run_with_config_errors(_check, sys.argv[1:])

@@ -1,0 +1,256 @@
+"""The training loop: `python -m trainer.train [--job.config_file X.toml] [--section.key value ...]`.
+
+Order of work (nothing model-specific here; the model comes from the registry):
+  1. config (TOML + CLI) and every check that can fail on user input, before any process-group work or any
+     file is written: degrees vs world size, model args, tokenizer, dataset.
+  2. process group and device; the model is built on the meta device, parallelized, then materialised and
+     initialised (`init_weights`).
+  3. loop: batch -> forward -> sum-CE / global valid tokens -> backward (gradient accumulation) -> clip by the
+     global norm -> AdamW step -> LR schedule -> MoE bias update -> metrics and memory; validation every
+     `validation.freq` steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from parallelisms.clip import clip_grad_norm_
+from trainer import device as devices
+from trainer.config import ConfigError, JobConfig, config_to_toml, load_config, run_with_config_errors, validate_job
+from trainer.data import build_dataloader
+from trainer.loss import count_valid_tokens
+from trainer.lr_schedule import build_lr_scheduler
+from trainer.memory import MemoryMonitor
+from trainer.metrics import MetricLogger, init_logging
+from trainer.optimizer import build_optimizer
+from trainer.registry import available_models, get_model_spec
+from trainer.tokenizer import build_tokenizer
+
+logger = logging.getLogger("trainer")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """Everything derived from the config before the process group exists (so failures write nothing)."""
+
+    cfg: JobConfig
+    dims: object
+    spec: object
+    model_args: object
+    tokenizer: object
+    train_loader: object
+    val_loader: object | None
+
+
+def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
+    """Validate the job against the world size and build the host-side pieces; raise ConfigError on bad input."""
+    dims = validate_job(cfg, world_size)
+    try:
+        spec = get_model_spec(cfg.model.name)
+    except KeyError:
+        raise ConfigError("model.name", f"unknown model {cfg.model.name!r}", ", ".join(available_models()))
+    model_args = spec.build_args(cfg)
+    try:
+        tokenizer = build_tokenizer(cfg.tokenizer.path)
+    except ValueError as e:
+        raise ConfigError("tokenizer.path", str(e))
+    if tokenizer.vocab_size > model_args.vocab_size:
+        raise ConfigError("tokenizer.path", f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's "
+                          f"vocab_size {model_args.vocab_size}", f"a tokenizer with <= {model_args.vocab_size} ids")
+    dp_rank = rank % dims.dp  # meshes are laid out (pp, dp_replicate, dp_shard), pp outermost
+    global_batch = cfg.training.global_batch_size
+    if global_batch == -1:
+        global_batch = cfg.training.local_batch_size * dims.dp
+    loader_args = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len, global_batch_size=global_batch,
+                       dp_rank=dp_rank, dp_degree=dims.dp)
+    try:
+        train_loader = build_dataloader(cfg.dataset, **loader_args)
+        val_loader = None
+        if cfg.validation.enable:
+            val_loader = build_dataloader(_validation_dataset(cfg), **loader_args)
+    except ValueError as e:
+        raise ConfigError("dataset", str(e))
+    return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader)
+
+
+def _validation_dataset(cfg: JobConfig):
+    """The [dataset] section with the validation split, or another dataset named by validation.dataset."""
+    ds = dataclasses.replace(cfg.dataset, split=cfg.validation.split)
+    if cfg.validation.dataset:
+        if os.path.exists(cfg.validation.dataset):
+            ds = dataclasses.replace(ds, path=cfg.validation.dataset)
+        else:
+            ds = dataclasses.replace(ds, name=cfg.validation.dataset, path="")
+    return ds
+
+
+class Trainer:
+    """Owns the model, optimizer, data and metrics of one training run (one per process)."""
+
+    def __init__(self, prep: Prepared, device: torch.device):
+        cfg = self.cfg = prep.cfg
+        self.dims, self.spec, self.device = prep.dims, prep.spec, device
+        self.train_loader, self.val_loader = prep.train_loader, prep.val_loader
+        self.rank = devices.rank()
+        self.dp_group = dist.group.WORLD if dist.is_initialized() and self.dims.dp > 1 else None
+
+        torch.manual_seed(cfg.training.seed)
+        if cfg.training.deterministic:
+            torch.use_deterministic_algorithms(True)
+
+        with torch.device("meta"):
+            model = self.spec.model_cls(prep.model_args)
+        for moe in model.moe_layers():
+            moe.aux_loss_coeff = cfg.moe.aux_loss_coeff
+        model = self.spec.parallelize_fn(model, self.dims, None, cfg)
+        model.to_empty(device=device)
+        model.init_weights(buffer_device=device)
+        model.train()
+        self.model_parts = [model]
+        self.loss_fn = self.spec.build_loss_fn(prep.model_args)
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.total_params, self.active_params, self.flops_per_token = self.spec.counts(
+            prep.model_args, cfg.training.seq_len)
+        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.training.dtype == "bfloat16"
+                         else contextlib.nullcontext())
+
+        self.memory = MemoryMonitor(device, cfg.memory.track)
+        self.memory.track(*self.model_parts, self.optimizer)
+        self.metrics = MetricLogger(os.path.join(cfg.job.dump_folder, "tb"), self.rank,
+                                    cfg.metrics.enable_tensorboard, cfg.metrics.save_for_all_ranks)
+        logger.info("model %s/%s: %.2fM params (%.2fM active per token), %.1f MFLOP/token, device %s, world %d",
+                    cfg.model.name, cfg.model.flavor, self.total_params / 1e6, self.active_params / 1e6,
+                    self.flops_per_token / 1e6, device, self.dims.world_size)
+
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dp_group is not None:
+            dist.all_reduce(t, group=self.dp_group)
+        return t
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the global batch; returns the scalars to log."""
+        cfg = self.cfg
+        inputs, labels = self.train_loader.next_batch()
+        global_tokens = self._all_reduce_sum(count_valid_tokens(labels).to(self.device)).item()
+        for part in self.model_parts:
+            for moe in part.moe_layers():
+                moe.aux_loss_grad_scale = 1.0 / max(global_tokens, 1)
+
+        lbs = cfg.training.local_batch_size
+        loss_sum = torch.zeros((), device=self.device)
+        model = self.model_parts[0]
+        for start in range(0, inputs.shape[0], lbs):
+            x = inputs[start:start + lbs].to(self.device)
+            y = labels[start:start + lbs].to(self.device)
+            with self.autocast:
+                out = model(x)
+            micro_loss = self.loss_fn(out, y)
+            del out  # free the logits before backward allocates their gradient
+            (micro_loss / global_tokens).backward()
+            loss_sum += micro_loss.detach()
+
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(params, cfg.training.max_norm)
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        scalars = self.spec.post_optimizer_step(self.model_parts, cfg, self.dp_group)
+        loss = self._all_reduce_sum(loss_sum).item() / global_tokens
+        if not torch.isfinite(grad_norm):
+            logger.warning("step has a non-finite grad norm %s", grad_norm.item())
+        scalars.update({"loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
+                        "local_tokens": float(inputs.numel())})
+        return scalars
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean loss over `validation.steps` batches, in eval mode with no_grad (no expert-bias counting)."""
+        for part in self.model_parts:
+            part.eval()
+        total = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        try:
+            for _ in range(self.cfg.validation.steps):
+                inputs, labels = self.val_loader.next_batch()
+                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                with self.autocast:
+                    total += self.loss_fn(self.model_parts[0](inputs), labels)
+                tokens += count_valid_tokens(labels)
+        finally:
+            for part in self.model_parts:
+                part.train()
+        return (self._all_reduce_sum(total) / self._all_reduce_sum(tokens)).item()
+
+    def train(self) -> list[float]:
+        """Run `training.steps` steps; returns the loss of every step."""
+        cfg = self.cfg
+        losses = []
+        with self.memory:
+            for step in range(1, cfg.training.steps + 1):
+                t0 = time.perf_counter()
+                scalars = self.train_step()
+                elapsed = time.perf_counter() - t0
+                mem = self.memory.step_end()
+                losses.append(scalars["loss"])
+                tokens_per_s = scalars.pop("local_tokens") / elapsed
+                scalars["throughput/tokens_per_s"] = tokens_per_s
+                scalars["throughput/tflops"] = tokens_per_s * self.flops_per_token / 1e12
+                scalars.update(MemoryMonitor.to_scalars(mem))
+                if self.val_loader is not None and step % cfg.validation.freq == 0:
+                    scalars["validation/loss"] = self.validate()
+                    logger.info("step %d validation loss %.4f", step, scalars["validation/loss"])
+                self.metrics.log(step, scalars)
+                if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+                    self.metrics.console(step, scalars["loss"], scalars["grad_norm"], tokens_per_s,
+                                         mem.allocated_bytes / 2**30, mem.peak_bytes / 2**30, scalars["lr"])
+        return losses
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def run(cfg: JobConfig) -> list[float]:
+    """Train with an already loaded config in this process (used by `main` and by tests)."""
+    world_size, rank = devices.world_size_from_env(), int(os.environ.get("RANK", 0))
+    prep = prepare(cfg, world_size, rank)
+    device = devices.init_distributed()
+    init_logging(devices.rank())
+    trainer = None
+    try:
+        trainer = Trainer(prep, device)
+        return trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        devices.shutdown_distributed()
+
+
+def _main(argv: list[str]) -> None:
+    cfg = load_config(argv)
+    if cfg.job.print_config:
+        print(config_to_toml(cfg), end="")
+        return
+    run(cfg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point: config errors exit 2 with one line; Ctrl-C exits 130 after a clean shutdown."""
+    try:
+        run_with_config_errors(_main, sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
