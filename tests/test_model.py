@@ -1,0 +1,363 @@
+"""Unit tests of the DeepSeek-V3 model math against independent references (hand computations, loops)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.deepseek_v3.args import FLAVORS, ModelArgs
+from models.deepseek_v3.flops import count_params, training_flops_per_token
+from models.deepseek_v3.model import DeepSeekV3Model, document_causal_mask, rope_tables, yarn_inv_freq, \
+    yarn_softmax_scale
+from models.deepseek_v3.moe import GroupedExperts, MoE, Router, sequence_balance_loss, update_expert_bias
+from models.deepseek_v3.mtp import mtp_loss
+from parallelisms.moe_comm.base import LocalTokenDispatcher
+
+TINY = ModelArgs(vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=3, n_dense_layers=1, n_heads=2,
+                 max_seq_len=32, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, q_lora_rank=0,
+                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+
+
+def build(args: ModelArgs, seed: int = 0) -> DeepSeekV3Model:
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = DeepSeekV3Model(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
+# ------------------------------------------------------------------------------------------------ router
+
+def _router(**kw) -> Router:
+    args = TINY.replace(**kw)
+    r = Router(args)
+    return r
+
+
+def test_router_sigmoid_bias_selects_but_weights_are_unbiased():
+    r = _router(n_routed_experts=4, n_activated_experts=2, score_func="sigmoid", route_norm=False, route_scale=2.0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    with torch.no_grad():
+        # a gate that reproduces `logits` for input e_0
+        r.gate.weight.zero_()
+        r.gate.weight[:, 0] = logits[0]
+    x = torch.zeros(1, TINY.dim)
+    x[0, 0] = 1.0
+    bias = torch.tensor([0.0, 0.0, 5.0, 0.0])  # pushes expert 2 into the top-2 although its score is lower
+    w, idx, scores = r(x, bias)
+    assert sorted(idx[0].tolist()) == [0, 2]
+    expected = {0: 2.0 * torch.sigmoid(torch.tensor(2.0)).item(), 2: 2.0 * 0.5}
+    for j, e in enumerate(idx[0].tolist()):
+        assert w[0, j].item() == pytest.approx(expected[e], rel=1e-6)
+    assert torch.allclose(scores, torch.sigmoid(logits))
+
+
+def test_router_route_norm_and_softmax():
+    r = _router(n_routed_experts=4, n_activated_experts=2, score_func="softmax", route_norm=True, route_scale=1.5)
+    torch.manual_seed(0)
+    x = torch.randn(5, TINY.dim)
+    w, idx, scores = r(x, None)
+    ref_scores = F.softmax(x @ r.gate.weight.T, dim=-1)
+    ref_w, ref_idx = ref_scores.topk(2, dim=-1)
+    ref_w = ref_w / ref_w.sum(-1, keepdim=True) * 1.5
+    assert torch.equal(idx.sort(-1).values, ref_idx.sort(-1).values)
+    assert torch.allclose(w.sort(-1).values, ref_w.sort(-1).values, atol=1e-6)
+
+
+def test_router_group_limited_hand_case():
+    # 8 experts in 4 groups of 2, keep 2 groups, top-2. Group scores = sum of its top-2 = sum of both.
+    r = _router(n_routed_experts=8, n_activated_experts=2, n_expert_groups=4, n_limited_groups=2,
+                score_func="sigmoid", route_norm=True, route_scale=1.0)
+    # scores (after sigmoid) per expert; the single best expert (#6) sits in a weak group (6,7 -> 0.95+0.01)
+    probs = torch.tensor([[0.60, 0.55, 0.50, 0.52, 0.10, 0.10, 0.95, 0.01]])
+    logits = torch.log(probs / (1 - probs))
+    with torch.no_grad():
+        r.gate.weight.zero_()
+        r.gate.weight[:, 0] = logits[0]
+    x = torch.zeros(1, TINY.dim)
+    x[0, 0] = 1.0
+    w, idx, _ = r(x, torch.zeros(8))
+    # group sums: g0=1.15, g1=1.02, g2=0.20, g3=0.96 -> keep g0, g1 -> top-2 experts 0 and 1, not expert 6
+    assert sorted(idx[0].tolist()) == [0, 1]
+    assert w[0].sum().item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_router_group_max_for_v2():
+    r = _router(n_routed_experts=8, n_activated_experts=2, n_expert_groups=4, n_limited_groups=1,
+                score_func="sigmoid", group_score_func="max")
+    probs = torch.tensor([[0.60, 0.55, 0.50, 0.52, 0.10, 0.10, 0.95, 0.01]])
+    with torch.no_grad():
+        r.gate.weight.zero_()
+        r.gate.weight[:, 0] = torch.log(probs / (1 - probs))[0]
+    x = torch.zeros(1, TINY.dim)
+    x[0, 0] = 1.0
+    _, idx, _ = r(x, None)
+    assert sorted(idx[0].tolist()) == [6, 7]  # group 3 has the max expert
+
+
+# ------------------------------------------------------------------------------------------------ experts
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_matches_loop_forward_and_backward(dtype):
+    torch.manual_seed(0)
+    E, D, H = 4, 16, 32
+    counts = torch.tensor([5, 0, 7, 3])  # an expert with zero tokens
+    ref = GroupedExperts(D, H, E, use_grouped_mm=False)
+    ref.init_weights(0.02)
+    fast = GroupedExperts(D, H, E, use_grouped_mm=True)
+    fast.load_state_dict(ref.state_dict())
+    ref, fast = ref.to(dtype), fast.to(dtype)
+    x = torch.randn(int(counts.sum()), D, dtype=dtype)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = ref(x1, counts), fast(x2, counts)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(y2, y1, **tol)
+    torch.testing.assert_close(x2.grad, x1.grad, **tol)
+    for name in ("w1", "w2", "w3"):
+        torch.testing.assert_close(getattr(fast, name).grad, getattr(ref, name).grad, **tol)
+    assert getattr(fast, "w1").grad[1].abs().sum() == 0  # the empty expert gets no gradient
+
+
+def test_grouped_mm_padding_rows_are_masked():
+    torch.manual_seed(0)
+    E, D, H = 2, 16, 16
+    experts = GroupedExperts(D, H, E, use_grouped_mm=True)
+    experts.init_weights(0.02)
+    counts = torch.tensor([3, 2])
+    x = torch.randn(9, D, requires_grad=True)  # 4 padding rows past the last offset
+    y = experts(x, counts)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(y[5:], torch.zeros(4, D))
+    assert torch.equal(x.grad[5:], torch.zeros(4, D))
+
+
+def test_local_dispatch_combine_is_weighted_sum():
+    torch.manual_seed(0)
+    T, K, E, D = 6, 2, 4, 8
+    x = torch.randn(T, D)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    counts = torch.bincount(idx.flatten(), minlength=E)
+    disp = LocalTokenDispatcher(E)
+    routed = disp.dispatch(x, idx, w, counts)
+    # rows grouped by expert: row n belongs to the expert whose offset range contains n
+    expert_of_row = torch.repeat_interleave(torch.arange(E), counts)
+    scale = torch.arange(1, E + 1, dtype=torch.float32)
+    y = routed.x_ND * scale[expert_of_row, None] * routed.weights_N[:, None]
+    out = disp.combine(y, routed.state)
+    ref = sum(x * (scale[idx[:, k]] * w[:, k])[:, None] for k in range(K))
+    torch.testing.assert_close(out, ref)
+
+
+# ------------------------------------------------------------------------------------------------ MoE layer
+
+def _moe_reference(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
+    """Token-by-token loop, independent of the dispatcher and grouped GEMMs."""
+    w, idx, _ = moe.router(x_TD, moe.expert_bias)
+    out = torch.zeros_like(x_TD)
+    for t in range(x_TD.shape[0]):
+        for k in range(idx.shape[1]):
+            e = idx[t, k]
+            h = F.silu(x_TD[t] @ moe.experts.w1[e].T) * (x_TD[t] @ moe.experts.w3[e].T)
+            out[t] += w[t, k] * (h @ moe.experts.w2[e].T)
+    return out + moe.shared_experts(x_TD)
+
+
+def test_moe_matches_token_loop():
+    torch.manual_seed(0)
+    args = TINY.replace(score_func="sigmoid", route_norm=True, route_scale=2.5, n_expert_groups=4,
+                        n_limited_groups=2)
+    moe = MoE(args)
+    moe.init_weights(0.02)
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.randn(8) * 0.1)
+    x = torch.randn(2, 5, args.dim)
+    torch.testing.assert_close(moe(x).view(-1, args.dim), _moe_reference(moe, x.view(-1, args.dim)),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_token_counts_only_in_training_forward():
+    torch.manual_seed(0)
+    moe = MoE(TINY)
+    moe.init_weights(0.02)
+    x = torch.randn(2, 4, TINY.dim)
+    moe.eval()
+    moe(x)
+    moe.train()
+    with torch.no_grad():
+        moe(x)
+    assert moe.tokens_per_expert.sum() == 0
+    moe(x)
+    assert moe.tokens_per_expert.sum() == 2 * 4 * TINY.n_activated_experts
+
+
+def test_token_counts_not_doubled_by_checkpoint_recompute():
+    torch.manual_seed(0)
+    moe = MoE(TINY)
+    moe.init_weights(0.02)
+    x = torch.randn(2, 4, TINY.dim, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)
+    out.sum().backward()
+    assert moe.tokens_per_expert.sum() == 2 * 4 * TINY.n_activated_experts
+
+
+def test_expert_bias_update_rule():
+    a, b = MoE(TINY), MoE(TINY)
+    for m in (a, b):
+        m.init_weights(0.02)
+    a.tokens_per_expert.copy_(torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]))  # mean 2
+    b.tokens_per_expert.copy_(torch.full((8,), 3.0))  # balanced: sign(0) = 0
+    counts = update_expert_bias([a, b], coeff=0.01)
+    assert counts.shape == (2, 8)
+    raw = 0.01 * torch.sign(torch.tensor([2.0 - 10, 2, 2, 2, 2, 2, 2, 2 - 6]))
+    torch.testing.assert_close(a.expert_bias, raw - raw.mean())
+    assert torch.equal(b.expert_bias, torch.zeros(8))
+    assert a.tokens_per_expert.sum() == 0 and b.tokens_per_expert.sum() == 0
+
+
+def test_sequence_balance_loss_hand_case():
+    # one sequence, 2 tokens, 2 experts, top-1: both tokens choose expert 0
+    scores = torch.tensor([[[0.75, 0.25], [0.5, 0.5]]])
+    idx = torch.tensor([[[0], [0]]])
+    # f = E/(K S) * counts = 2/2 * [2, 0] = [2, 0]; P = mean of normalised scores = [0.625, 0.375]
+    assert sequence_balance_loss(scores, idx).item() == pytest.approx(2 * 0.625)
+
+
+def test_aux_loss_gradient_matches_explicit_loss():
+    torch.manual_seed(0)
+    moe = MoE(TINY.replace(score_func="sigmoid"))
+    moe.init_weights(0.02)
+    moe.aux_loss_coeff, moe.aux_loss_grad_scale = 0.1, 0.25
+    x = torch.randn(2, 4, TINY.dim)
+    moe(x).sum().backward()
+    attached = moe.router.gate.weight.grad.clone()
+    moe.zero_grad()
+    moe.aux_loss_coeff = 0.0
+    out = moe(x)
+    _, idx, scores = moe.router(x.view(-1, TINY.dim), moe.expert_bias)
+    aux = 0.1 * 4 * sequence_balance_loss(scores.view(2, 4, -1), idx.view(2, 4, -1))
+    (out.sum() + 0.25 * aux).backward()
+    torch.testing.assert_close(attached, moe.router.gate.weight.grad)
+
+
+# ------------------------------------------------------------------------------------------------ RoPE / YaRN / MLA
+
+def test_rope_without_yarn_is_plain():
+    args = TINY.replace(max_seq_len=16, original_seq_len=4096)
+    assert not args.yarn_enabled
+    d = args.qk_rope_head_dim
+    expected = torch.tensor([10000.0 ** (-2 * i / d) for i in range(d // 2)])
+    torch.testing.assert_close(yarn_inv_freq(args), expected)
+    assert yarn_softmax_scale(args) == pytest.approx(args.qk_head_dim ** -0.5)
+
+
+def test_yarn_blend_hand_computed():
+    args = TINY.replace(qk_rope_head_dim=64, max_seq_len=8192, original_seq_len=1024, rope_factor=4.0,
+                        beta_fast=32, beta_slow=1, mscale=1.0)
+    assert args.yarn_enabled
+    d, base = 64, 10000.0
+    plain = [base ** (-2 * i / d) for i in range(d // 2)]
+    # a dimension pair i turns orig_len * freq_i / (2 pi) times over the original context
+    turns = [1024 * f / (2 * math.pi) for f in plain]
+    got = yarn_inv_freq(args).tolist()
+    for i, (f, n) in enumerate(zip(plain, turns)):
+        if n > 33:  # fast: kept (a margin of one dim around the rounded ramp ends)
+            assert got[i] == pytest.approx(f, rel=1e-6)
+        elif n < 0.9:  # slow: interpolated by the factor
+            assert got[i] == pytest.approx(f / 4.0, rel=1e-6)
+        else:
+            assert f / 4.0 * (1 - 1e-6) <= got[i] <= f * (1 + 1e-6)
+    mscale = 0.1 * math.log(4.0) + 1
+    assert yarn_softmax_scale(args) == pytest.approx(args.qk_head_dim ** -0.5 * mscale ** 2)
+    cos, sin = rope_tables(args)
+    assert cos.shape == (8192, 32) and torch.allclose(cos ** 2 + sin ** 2, torch.ones(()), atol=1e-5)
+
+
+@pytest.mark.parametrize("flavor", sorted(FLAVORS))
+def test_every_flavor_builds_on_meta_with_mla_shapes(flavor):
+    args = FLAVORS[flavor]
+    with torch.device("meta"):
+        model = DeepSeekV3Model(args)
+    attn = model.layers["0"].attention
+    assert attn.wkv_a.weight.shape == (args.kv_lora_rank + args.qk_rope_head_dim, args.dim)
+    assert attn.wkv_b.weight.shape == (args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank)
+    assert attn.wo.weight.shape == (args.dim, args.n_heads * args.v_head_dim)
+    if args.q_lora_rank:
+        assert attn.wq_b.weight.shape == (args.n_heads * args.qk_head_dim, args.q_lora_rank)
+    else:
+        assert attn.wq.weight.shape == (args.n_heads * args.qk_head_dim, args.dim)
+    last = model.layers[str(args.n_layers - 1)]
+    assert last.moe.experts.w1.shape == (args.n_routed_experts, args.moe_inter_dim, args.dim)
+    assert sum(p.numel() for p in model.parameters()) == count_params(args).total
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_document_mask_blocks_attention_across_eos():
+    args = TINY.replace(document_masking=True, eos_id=1)
+    model = build(args).eval()
+    tokens = torch.tensor([[5, 6, 1, 7, 8, 9]])
+    other_first_doc = torch.tensor([[11, 12, 1, 7, 8, 9]])
+    with torch.no_grad():
+        a, b = model(tokens), model(other_first_doc)
+    torch.testing.assert_close(a[:, 3:], b[:, 3:])
+    assert not torch.allclose(a[:, :3], b[:, :3])
+    mask = document_causal_mask(tokens, 1)[0, 0]
+    assert mask[3, 2].item() is False and mask[2, 0].item() is True and mask[5, 3].item() is True
+
+
+# ------------------------------------------------------------------------------------------------ MTP
+
+def test_mtp_output_shape_loss_and_gradient():
+    args = TINY.replace(num_mtp_layers=2, mtp_loss_weight=0.5)
+    model = build(args)
+    tokens = torch.randint(0, 64, (2, 10))
+    labels = torch.roll(tokens, -1, 1)
+    out = model(tokens)
+    assert out.shape == (3, 2, 10, 64)
+    loss = mtp_loss(out, labels, 0.5)
+    main = F.cross_entropy(out[0].flatten(0, 1), labels.flatten(), reduction="sum")
+    k1 = F.cross_entropy(out[1, :, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
+    k2 = F.cross_entropy(out[2, :, :-2].flatten(0, 1), labels[:, 2:].flatten(), reduction="sum")
+    torch.testing.assert_close(loss, main + 0.25 * (k1 + k2))
+    loss.backward()
+    assert model.mtp.layers[1].eh_proj.weight.grad.abs().sum() > 0
+    assert model.mtp.layers[0].block.moe.router.gate.weight.grad.abs().sum() > 0
+    assert model.eval()(tokens).shape == (2, 10, 64)
+
+
+# ------------------------------------------------------------------------------------------------ counts
+
+def test_published_parameter_counts():
+    # DeepSeek-V3: 671B total, 37B activated; V2: 236B / 21B; V2-Lite (our 16B flavor): 15.7B / 2.4B.
+    # Published "activated" counts exclude the embedding table.
+    for flavor, total, active in (("671B", 671e9, 37e9), ("236B", 236e9, 21e9), ("16B", 15.7e9, 2.4e9)):
+        c = count_params(FLAVORS[flavor])
+        assert c.total == pytest.approx(total, rel=0.005), flavor
+        assert c.active - c.embedding == pytest.approx(active, rel=0.03), flavor
+
+
+def test_flops_per_token_formula():
+    args = FLAVORS["debugmodel"]
+    c = count_params(args)
+    attn_full = 6 * 16 * (192 + 128) * 256 * 6
+    assert training_flops_per_token(args, 256, causal=False) == 6 * (c.active - c.embedding) + attn_full
+    assert training_flops_per_token(args, 256) == 6 * (c.active - c.embedding) + attn_full / 2
+
+
+def test_model_trains_a_few_steps_on_one_batch():
+    model = build(TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 64, (2, 16))
+    losses = []
+    for _ in range(8):
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), torch.roll(tokens, -1, 1).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0
