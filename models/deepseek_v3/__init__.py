@@ -7,7 +7,9 @@ from trainer.loss import cross_entropy_sum
 from trainer.registry import ModelSpec, register_model_spec
 
 from .args import FLAVORS, ModelArgs
+from . import hf
 from .flops import count_params, training_flops_per_token
+from .hf import load_hf_pretrained
 from .model import DeepSeekV3Model
 from .moe import update_expert_bias
 from .mtp import mtp_loss
@@ -75,6 +77,7 @@ register_model_spec(ModelSpec(
     build_loss_fn=build_loss_fn,
     post_optimizer_step=post_optimizer_step,
     counts=counts,
+    state_dict_adapter=hf,
 ))
 
-__all__ = ["DeepSeekV3Model", "ModelArgs", "FLAVORS", "build_args"]
+__all__ = ["DeepSeekV3Model", "ModelArgs", "FLAVORS", "build_args", "load_hf_pretrained"]

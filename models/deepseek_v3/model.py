@@ -76,6 +76,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # ----------------------------------------------------------------------------------------------- MLA attention
 
+# The latent norms inside MLA use a fixed eps in DeepSeek's reference and in HF (rms_norm_eps only reaches the block
+# and final norms): a checkpoint with rms_norm_eps != 1e-6 must still see 1e-6 here.
+MLA_NORM_EPS = 1e-6
+
+
 class MLA(nn.Module):
     """Multi-head latent attention.
 
@@ -98,10 +103,10 @@ class MLA(nn.Module):
             self.wq = nn.Linear(args.dim, qk_dim, bias=False)
         else:
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=MLA_NORM_EPS)
             self.wq_b = nn.Linear(args.q_lora_rank, qk_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
+        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=MLA_NORM_EPS)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim),
                                bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
