@@ -24,8 +24,17 @@ def build(args: ModelArgs, seed: int = 0) -> DeepSeekV3Model:
     with torch.device("meta"):
         model = DeepSeekV3Model(args)
     model.to_empty(device="cpu")
-    model.init_weights()
+    model.init_weights(seed=seed)
     return model
+
+
+def _randomize(module: torch.nn.Module, std: float = 0.02) -> None:
+    """Random weights for a standalone sub-module (the model's own init needs the full model's names)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            torch.nn.init.trunc_normal_(p, std=std)
+    if isinstance(module, MoE):
+        module.reset_buffers()
 
 
 # ------------------------------------------------------------------------------------------------ router
@@ -105,7 +114,7 @@ def test_grouped_mm_matches_loop_forward_and_backward(dtype):
     E, D, H = 4, 16, 32
     counts = torch.tensor([5, 0, 7, 3])  # an expert with zero tokens
     ref = GroupedExperts(D, H, E, use_grouped_mm=False)
-    ref.init_weights(0.02)
+    _randomize(ref)
     fast = GroupedExperts(D, H, E, use_grouped_mm=True)
     fast.load_state_dict(ref.state_dict())
     ref, fast = ref.to(dtype), fast.to(dtype)
@@ -127,7 +136,7 @@ def test_grouped_mm_padding_rows_are_masked():
     torch.manual_seed(0)
     E, D, H = 2, 16, 16
     experts = GroupedExperts(D, H, E, use_grouped_mm=True)
-    experts.init_weights(0.02)
+    _randomize(experts)
     counts = torch.tensor([3, 2])
     x = torch.randn(9, D, requires_grad=True)  # 4 padding rows past the last offset
     y = experts(x, counts)
@@ -173,7 +182,7 @@ def test_moe_matches_token_loop():
     args = TINY.replace(score_func="sigmoid", route_norm=True, route_scale=2.5, n_expert_groups=4,
                         n_limited_groups=2)
     moe = MoE(args)
-    moe.init_weights(0.02)
+    _randomize(moe)
     with torch.no_grad():
         moe.expert_bias.copy_(torch.randn(8) * 0.1)
     x = torch.randn(2, 5, args.dim)
@@ -184,7 +193,7 @@ def test_moe_matches_token_loop():
 def test_token_counts_only_in_training_forward():
     torch.manual_seed(0)
     moe = MoE(TINY)
-    moe.init_weights(0.02)
+    _randomize(moe)
     x = torch.randn(2, 4, TINY.dim)
     moe.eval()
     moe(x)
@@ -199,7 +208,7 @@ def test_token_counts_only_in_training_forward():
 def test_token_counts_not_doubled_by_checkpoint_recompute():
     torch.manual_seed(0)
     moe = MoE(TINY)
-    moe.init_weights(0.02)
+    _randomize(moe)
     x = torch.randn(2, 4, TINY.dim, requires_grad=True)
     out = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)
     out.sum().backward()
@@ -209,7 +218,7 @@ def test_token_counts_not_doubled_by_checkpoint_recompute():
 def test_expert_bias_update_rule():
     a, b = MoE(TINY), MoE(TINY)
     for m in (a, b):
-        m.init_weights(0.02)
+        _randomize(m)
     a.tokens_per_expert.copy_(torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]))  # mean 2
     b.tokens_per_expert.copy_(torch.full((8,), 3.0))  # balanced: sign(0) = 0
     counts = update_expert_bias([a, b], coeff=0.01)
@@ -231,7 +240,7 @@ def test_sequence_balance_loss_hand_case():
 def test_aux_loss_gradient_matches_explicit_loss():
     torch.manual_seed(0)
     moe = MoE(TINY.replace(score_func="sigmoid"))
-    moe.init_weights(0.02)
+    _randomize(moe)
     moe.aux_loss_coeff, moe.aux_loss_grad_scale = 0.1, 0.25
     x = torch.randn(2, 4, TINY.dim)
     moe(x).sum().backward()

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from parallelisms.clip import clip_grad_norm_
+from parallelisms.mesh import build_meshes
 from trainer import device as devices
 from trainer.config import ConfigError, JobConfig, config_to_toml, load_config, run_with_config_errors, validate_job
 from trainer.data import build_dataloader
@@ -100,7 +101,9 @@ class Trainer:
         self.dims, self.spec, self.device = prep.dims, prep.spec, device
         self.train_loader, self.val_loader = prep.train_loader, prep.val_loader
         self.rank = devices.rank()
-        self.dp_group = dist.group.WORLD if dist.is_initialized() and self.dims.dp > 1 else None
+        self.meshes = build_meshes(self.dims, device.type) if dist.is_initialized() else None
+        self.dp_group = self.meshes.group("dp") if self.meshes is not None else None
+        self.pp_group = self.meshes.group("pp") if self.meshes is not None else None
 
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
@@ -110,9 +113,9 @@ class Trainer:
             model = self.spec.model_cls(prep.model_args)
         for moe in model.moe_layers():
             moe.aux_loss_coeff = cfg.moe.aux_loss_coeff
-        model = self.spec.parallelize_fn(model, self.dims, None, cfg)
+        model = self.spec.parallelize_fn(model, self.dims, self.meshes, cfg)
         model.to_empty(device=device)
-        model.init_weights(buffer_device=device)
+        model.init_weights(buffer_device=device, seed=cfg.training.seed)
         model.train()
         self.model_parts = [model]
         self.loss_fn = self.spec.build_loss_fn(prep.model_args)
@@ -120,8 +123,9 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.total_params, self.active_params, self.flops_per_token = self.spec.counts(
             prep.model_args, cfg.training.seq_len)
-        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.training.dtype == "bfloat16"
-                         else contextlib.nullcontext())
+        # FSDP casts parameters itself (MixedPrecisionPolicy); without FSDP, bf16 compute comes from autocast
+        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
+                         if cfg.training.dtype == "bfloat16" and not self.dims.dp_enabled else contextlib.nullcontext())
 
         self.memory = MemoryMonitor(device, cfg.memory.track)
         self.memory.track(*self.model_parts, self.optimizer)
@@ -159,7 +163,7 @@ class Trainer:
             loss_sum += micro_loss.detach()
 
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, cfg.training.max_norm)
+        grad_norm = clip_grad_norm_(params, cfg.training.max_norm, self.pp_group)
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -219,8 +223,11 @@ class Trainer:
         self.metrics.close()
 
 
-def run(cfg: JobConfig) -> list[float]:
-    """Train with an already loaded config in this process (used by `main` and by tests)."""
+def run(cfg: JobConfig, shutdown: bool = True) -> list[float]:
+    """Train with an already loaded config in this process; returns the loss of every step.
+
+    `shutdown=False` keeps the process group alive so a test can run several jobs in one launch.
+    """
     world_size, rank = devices.world_size_from_env(), int(os.environ.get("RANK", 0))
     prep = prepare(cfg, world_size, rank)
     device = devices.init_distributed()
@@ -232,7 +239,8 @@ def run(cfg: JobConfig) -> list[float]:
     finally:
         if trainer is not None:
             trainer.close()
-        devices.shutdown_distributed()
+        if shutdown:
+            devices.shutdown_distributed()
 
 
 def _main(argv: list[str]) -> None:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallelisms.init import InitRule, init_parameter_
+
 from .args import ModelArgs
 from .moe import MoE, FeedForward
 
@@ -133,16 +135,6 @@ class MLA(nn.Module):
             out = F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, attn_mask=mask, scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
-    def init_weights(self, init_std: float) -> None:
-        """Projections into the heads at std 0.02, the output projection depth-scaled."""
-        for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"):
-            if hasattr(self, name):
-                nn.init.trunc_normal_(getattr(self, name).weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
-        for norm in (getattr(self, "q_norm", None), self.kv_norm):
-            if norm is not None:
-                norm.reset_parameters()
-
 
 def document_causal_mask(tokens_BS: torch.Tensor, eos_id: int) -> torch.Tensor:
     """Boolean mask [B, 1, S, S]: causal, and no attention across an EOS (each EOS ends its document)."""
@@ -170,8 +162,6 @@ class TransformerBlock(nn.Module):
             self.moe = MoE(args, layer_id)
         else:
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
-        # depth-scaled init keeps the residual stream's variance bounded as layers add up
-        self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,15 +169,6 @@ class TransformerBlock(nn.Module):
         h = h + self.attention(self.attention_norm(h), cos, sin, mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.init_std)
-        if self.moe_enabled:
-            self.moe.init_weights(self.init_std, buffer_device)
-        else:
-            self.feed_forward.init_weights(self.init_std)
 
 
 class DeepSeekV3Model(nn.Module):
@@ -235,23 +216,21 @@ class DeepSeekV3Model(nn.Module):
         return logits
 
     @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Initialise every parameter and re-create buffers; works on meta-materialised and sharded (DTensor) params."""
+    def init_weights(self, buffer_device: torch.device | None = None, seed: int = 0) -> None:
+        """Initialise every parameter and re-create the buffers, after materialisation from meta.
+
+        Works on plain and sharded (DTensor) parameters alike and gives the same full weights for the same seed
+        whatever the parallel layout (see `parallelisms/init.py`).
+        """
         device = buffer_device if buffer_device is not None else self.rope_cos.device
         cos, sin = rope_tables(self.args, device=device)
         self.rope_cos = cos
         self.rope_sin = sin
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            layer.init_weights(device)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            std = self.args.dim ** -0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
-        if self.mtp is not None:
-            self.mtp.init_weights(device)
+        for moe in self.moe_layers():
+            moe.reset_buffers(device)
+        for fqn, param in self.named_parameters():
+            fqn = _strip_wrappers(fqn)
+            init_parameter_(param, init_rule(self.args, fqn), seed, fqn)
 
     def moe_layers(self) -> list[MoE]:
         """The MoE modules of this (possibly partial) model, in layer order."""
@@ -259,3 +238,44 @@ class DeepSeekV3Model(nn.Module):
         if self.mtp is not None:
             found += self.mtp.moe_layers()
         return found
+
+
+# ----------------------------------------------------------------------------------------------- initialisation
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _strip_wrappers(fqn: str) -> str:
+    """Parameter name as in the bare model (activation-checkpoint and compile wrappers add prefixes)."""
+    for prefix in _WRAPPER_PREFIXES:
+        fqn = fqn.replace(prefix, "")
+    return fqn
+
+
+def _layer_id(args: ModelArgs, fqn: str) -> int:
+    parts = fqn.split(".")
+    if parts[0] == "layers":
+        return int(parts[1])
+    return args.n_layers + int(parts[2])  # mtp.layers.{k}.block...
+
+
+def init_rule(args: ModelArgs, fqn: str) -> InitRule:
+    """How parameter `fqn` is initialised (torchtitan's DeepSeek-V3 recipe).
+
+    Norm weights 1; the embedding N(0, 1); the output head truncated N(0, dim^-0.5) at 3 sigma; projections into
+    attention heads and the first FFN/expert projection truncated N(0, 0.02); projections back into the residual
+    stream (wo, w2, w3) and the router gate depth-scaled: 0.02 / sqrt(2 (layer_id + 1)), which keeps the residual
+    stream's variance bounded as layers add up.
+    """
+    name = fqn.rsplit(".", 1)[0]
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf.endswith("norm"):
+        return lambda t, g: t.fill_(1.0)
+    if fqn == "tok_embeddings.weight":
+        return lambda t, g: nn.init.normal_(t, generator=g)
+    if fqn == "output.weight":
+        std = args.dim ** -0.5
+        return lambda t, g: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
+    depth_scaled = leaf in ("wo", "w2", "w3", "gate") or fqn.endswith(("experts.w2", "experts.w3"))
+    std = 0.02 / (2 * (_layer_id(args, fqn) + 1)) ** 0.5 if depth_scaled else 0.02
+    return lambda t, g: nn.init.trunc_normal_(t, std=std, generator=g)

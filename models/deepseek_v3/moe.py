@@ -29,11 +29,6 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        for w in (self.w2.weight, self.w3.weight):
-            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
-
 
 class Router(nn.Module):
     """Token-choice top-k router, DeepSeek-V3 style.
@@ -106,11 +101,6 @@ class GroupedExperts(nn.Module):
         if self.use_grouped_mm:
             return _experts_grouped_mm(x_ND, w1, w2, w3, counts_E)
         return _experts_loop(x_ND, w1, w2, w3, counts_E)
-
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
-        for w in (self.w2, self.w3):
-            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
 
 
 def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E):
@@ -220,12 +210,9 @@ class MoE(nn.Module):
             out_TD = _AttachAuxLoss.apply(out_TD, aux, self.aux_loss_grad_scale)
         return out_TD.view(B, S, D)
 
-    def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
-        nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=init_std)
-        self.experts.init_weights(init_std)
-        if self.shared_experts is not None:
-            self.shared_experts.init_weights(init_std)
-        device = buffer_device if buffer_device is not None else self.expert_bias.device
+    def reset_buffers(self, device: torch.device | None = None) -> None:
+        """Zero the expert bias and the token counts (on `device`, e.g. after materialisation from meta)."""
+        device = device if device is not None else self.expert_bias.device
         self.expert_bias = torch.zeros_like(self.expert_bias, device=device)
         self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert, device=device)
 

@@ -28,12 +28,6 @@ class MTPModule(nn.Module):
         self.block = TransformerBlock(layer_id, args)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
-    def init_weights(self, buffer_device) -> None:
-        for norm in (self.enorm, self.hnorm, self.norm):
-            norm.reset_parameters()
-        nn.init.trunc_normal_(self.eh_proj.weight, mean=0.0, std=0.02)
-        self.block.init_weights(buffer_device)
-
 
 class MTPModules(nn.Module):
     """The D sequential MTP depths; returns main and MTP logits stacked: [1 + D, B, S, vocab]."""
@@ -52,10 +46,6 @@ class MTPModules(nn.Module):
             h = mod.block(h, cos, sin, mask)
             outs.append(model.output(mod.norm(h)))
         return torch.stack(outs)
-
-    def init_weights(self, buffer_device) -> None:
-        for mod in self.layers:
-            mod.init_weights(buffer_device)
 
     def moe_layers(self) -> list:
         return [mod.block.moe for mod in self.layers if mod.block.moe_enabled]

@@ -2,14 +2,25 @@
 
     expert parallel -> activation checkpointing -> compile -> FSDP
 
-Pipeline splitting happens before this, in `pipeline.py`; each stage is then parallelized here.
+Pipeline splitting happens before this (`parallelisms/pipeline.py`); each stage is then parallelized here.
+FSDP comes last so that its hooks wrap the checkpointed and compiled blocks.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from parallelisms.expert_parallel import apply_expert_parallel
+from parallelisms.fsdp import apply_fsdp
+
 
 def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job_config) -> nn.Module:
-    """Single-process seam: nothing to apply yet when every degree is 1."""
+    """Parallelize `model` in place for the degrees in `parallel_dims` and return it."""
+    par = job_config.parallelism
+    if parallel_dims.ep_enabled:
+        apply_expert_parallel(model.moe_layers(), meshes.ep, par.expert_parallel_comm_backend)
+    if parallel_dims.dp_enabled:
+        reshard = {"always": True, "never": False}.get(par.fsdp_reshard_after_forward,
+                                                        not parallel_dims.pp_enabled)
+        apply_fsdp(model, meshes, job_config.training.dtype, job_config.training.mixed_precision_reduce, reshard)
     return model

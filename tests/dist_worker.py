@@ -1,0 +1,39 @@
+"""Run several training jobs in one torchrun launch (one process group) and write rank 0's losses as JSON.
+
+Usage: torchrun --nproc_per_node N tests/dist_worker.py jobs.json results.json
+jobs.json: {"name": [config args...], ...}. Launching costs seconds on 2 cores, so tests group jobs per launch.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from trainer import device as devices  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.train import run  # noqa: E402
+
+
+def main(jobs_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    devices.init_distributed(timeout_s=120)
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    results = {}
+    try:
+        for name, args in jobs.items():
+            results[name] = run(load_config(args), shutdown=False)
+            dist.barrier()
+    finally:
+        if dist.get_rank() == 0:
+            with open(out_path, "w") as f:
+                json.dump(results, f)
+        devices.shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
