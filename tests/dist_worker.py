@@ -1,4 +1,4 @@
-"""Run several training jobs in one torchrun launch (one process group) and write rank 0's losses as JSON.
+"""Run several training jobs in one torchrun launch (one process group) and write rank 0's scalars as JSON.
 
 Usage: torchrun --nproc_per_node N tests/dist_worker.py jobs.json results.json
 jobs.json: {"name": [config args...], ...}. Launching costs seconds on 2 cores, so tests group jobs per launch.
@@ -18,6 +18,9 @@ from trainer.config import load_config  # noqa: E402
 from trainer.train import run  # noqa: E402
 
 
+KEYS = ("loss", "grad_norm", "validation/loss")
+
+
 def main(jobs_path: str, out_path: str) -> None:
     torch.set_num_threads(1)
     devices.init_distributed(timeout_s=120)
@@ -26,7 +29,9 @@ def main(jobs_path: str, out_path: str) -> None:
     results = {}
     try:
         for name, args in jobs.items():
-            results[name] = run(load_config(args), shutdown=False)
+            history = []
+            run(load_config(args), shutdown=False, history=history)
+            results[name] = [{k: v for k, v in h.items() if k in KEYS} for h in history]
             dist.barrier()
     finally:
         if dist.get_rank() == 0:

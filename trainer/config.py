@@ -270,6 +270,7 @@ class ActivationCheckpointSection:
     save_ops: list[str] = _opt(
         [
             "mm",
+            "grouped_mm",
             "attention",
             "all_to_all",
             "reduce_scatter",
@@ -366,6 +367,21 @@ class MemorySection:
     (slower); off = no tracking."""
     fail_on_leak: bool = False
     """Stop the run with an error when memory grows from step to step instead of only reporting it."""
+    leak_warmup_steps: int = _opt(5, ge=0)
+    """Steps the leak detector ignores at the start, while optimizer state and caches are created."""
+    leak_window: int = _opt(10, ge=3, special=0)
+    """Steps the leak detector fits its slope over; 0 = no leak detection. The alarm needs the slope above
+    the threshold for half a window in a row. A leak that grows only every k steps (e.g. only in validation)
+    is caught when the window is at least 2 * k."""
+    leak_threshold_MiB_per_step: float = _opt(0.1, gt=0)
+    """Growth of the memory allocated at step end above which the detector reports a leak (0.1 MiB/step
+    adds up to about 10 GiB over 100k steps; a healthy run measures 0)."""
+    snapshot_freq: int = _opt(0, ge=0)
+    """Write a memory snapshot to dump_folder/memory_snapshots every this many steps; 0 = off. CUDA: an
+    allocator snapshot with allocation history and stack traces (recorded from the start when > 0; open in
+    pytorch.org/memory_viz); CPU: the exact tracker's table as JSON."""
+    dump_on_leak: bool = True
+    """Write a memory snapshot when the leak detector raises its alarm."""
 
 
 @dataclass
@@ -837,6 +853,12 @@ def validate_job(cfg: JobConfig, world_size: int) -> "ParallelDims":
         )
     if not cfg.dataset.name and not cfg.dataset.path:
         raise ConfigError("dataset.name", "empty and dataset.path is empty too", "a dataset name or a dataset.path")
+    # Imported here: the name tables live with the policy, and parallelisms imports this module.
+    from parallelisms.activation_checkpoint import ac_config_problem
+
+    ac_problem = ac_config_problem(cfg.activation_checkpoint)
+    if ac_problem is not None:
+        raise ConfigError(*ac_problem)
     return dims
 
 

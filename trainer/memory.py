@@ -12,11 +12,19 @@ The train loop does::
 
 and never asks which device it runs on: CUDA reads the caching allocator's counters, CPU (which has no
 allocator statistics) counts every tensor storage with torch's ``MemTracker``.
+
+``MemorySnapshots`` writes what a person needs to find where memory went: CUDA allocator snapshots (with
+allocation history when recording is on) for pytorch.org/memory_viz, or on CPU the exact tracker's table
+(``MemoryMonitor.dump_table``), every N steps, on a leak alarm and on CUDA out-of-memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import os
+import pickle
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -25,8 +33,11 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed._tools import mem_tracker as _mem_tracker_module
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["MemoryMonitor", "MemoryStats"]
+__all__ = ["MemoryMonitor", "MemorySnapshots", "MemoryStats"]
+
+logger = logging.getLogger(__name__)
 
 _GiB = float(1 << 30)
 
@@ -81,14 +92,17 @@ class MemoryStats:
 class _StepMemTracker(MemTracker):
     """``MemTracker`` with a per-step peak and tolerance for several forward calls per step.
 
-    Relies on two private parts of ``MemTracker``: its ``_pre_fw_hook`` and its ``_peak_mem``/``_peak_mem_snap``
-    fields. The constructor turns a missing one into a clear error, should a torch upgrade rename them.
+    Relies on private parts of ``MemTracker``: its ``_pre_fw_hook``, its ``_peak_mem``/``_peak_mem_snap`` fields
+    and its ``_WINFO`` table of live storages (read by ``MemoryMonitor.dump_table``). The constructor turns a
+    missing one into a clear error, should a torch upgrade rename them.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        if not (hasattr(MemTracker, "_pre_fw_hook") and hasattr(self, "_peak_mem") and hasattr(self, "_peak_mem_snap")):
+        internals = ("_pre_fw_hook", "_peak_mem", "_peak_mem_snap", "_WINFO")
+        if not all(hasattr(self, name) for name in internals):
             raise RuntimeError(f"this torch's MemTracker lacks the internals exact memory tracking relies on. {_HINT}")
+        self.last_step_mod_stats: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         try:
@@ -109,6 +123,15 @@ class _StepMemTracker(MemTracker):
         """
         self._peak_mem_snap = self.get_tracker_snapshot("current")
         self._peak_mem = {dev: snap[_TOTAL] for dev, snap in self._peak_mem_snap.items()}
+
+    def reset_mod_stats(self) -> None:
+        """Start the next step's per-module statistics, keeping the finished step's for ``MemoryMonitor.dump_table``.
+
+        MemTracker clears its table in place; handing it a fresh one instead keeps the last step's readable at
+        no cost (one step's worth of module snapshots is held, never more).
+        """
+        self.last_step_mod_stats = self.memory_tracking
+        self.memory_tracking = WeakIdKeyDictionary()
 
 
 def _fold(snapshot: dict[str, int] | None) -> dict[str, int]:
@@ -196,6 +219,8 @@ class MemoryMonitor:
         self.mode = mode
         self._tracker = _StepMemTracker() if mode == "exact" else None
         self._state = "new"  # new -> entered -> exited
+        self.last_stats = MemoryStats()
+        """What the latest ``step_end`` returned."""
 
     def track(self, *objects: torch.nn.Module | torch.optim.Optimizer | torch.Tensor) -> None:
         """Count memory of models, optimizers or tensors created before the monitor was entered.
@@ -251,11 +276,11 @@ class MemoryMonitor:
         """Statistics of the step that just ended; starts the peak of the next step."""
         if self._state != "entered":
             raise RuntimeError("MemoryMonitor.step_end() must be called inside `with monitor:`")
-        if self.mode == "off":
-            return MemoryStats()
         if self.mode == "allocator":
-            return self._allocator_step_end()
-        return self._exact_step_end()
+            self.last_stats = self._allocator_step_end()
+        elif self.mode == "exact":
+            self.last_stats = self._exact_step_end()
+        return self.last_stats
 
     def _allocator_step_end(self) -> MemoryStats:
         stats = torch.cuda.memory_stats(self.device)
@@ -308,3 +333,176 @@ class MemoryMonitor:
         for name, nbytes in stats.peak_breakdown.items():
             scalars[f"memory/peak_breakdown/{name}_GiB"] = nbytes / _GiB
         return scalars
+
+    def dump_table(self, path: str) -> dict[str, Any]:
+        """Write what the monitor knows about memory right now to ``path``; returns the same content as a dict.
+
+        ``path`` ending in ``.json`` gets JSON, anything else an aligned text table. Content by mode:
+            exact: the last step's statistics; the tracker's current bytes per MemTracker category; live
+            storages per category (count and bytes: a leak shows up as a count that grows by the same number
+            every step); the 20 largest live storages; and per module of the last finished step, the number of
+            forward calls, the bytes its forward left allocated (activations kept for backward plus the output)
+            and the highest total while its forward or backward ran.
+            allocator: the last step's statistics and ``torch.cuda.memory_stats``.
+            off: only the device and the mode.
+        """
+        table: dict[str, Any] = {"device": str(self.device), "mode": self.mode}
+        if self.mode != "off":
+            table["last_step"] = dataclasses.asdict(self.last_stats)
+        if self.mode == "allocator":
+            table["allocator"] = torch.cuda.memory_stats(self.device)
+        elif self.mode == "exact":
+            table.update(self._exact_table())
+        directory = os.path.dirname(path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        with open(path, "w") as f:
+            if path.endswith(".json"):
+                json.dump(table, f, indent=1)
+            else:
+                f.write(_format_table(table))
+        return table
+
+    def _exact_table(self) -> dict[str, Any]:
+        tracker = self._tracker
+        current = tracker.get_tracker_snapshot("current").get(self.device, {})
+        per_category: dict[str, dict[str, int]] = {}
+        sizes = []
+        for winfo, weak_storage in list(tracker._WINFO.values()):
+            if weak_storage() is None or winfo.device != self.device:
+                continue
+            name = winfo.reftype.value
+            entry = per_category.setdefault(name, {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += winfo.mem_consumed
+            sizes.append((winfo.mem_consumed, name))
+        sizes.sort(reverse=True)
+        return {
+            "current": {getattr(k, "value", k): v for k, v in current.items()},
+            "live_storages": per_category,
+            "largest_storages": [{"bytes": b, "category": c} for b, c in sizes[:_LARGEST]],
+            "modules": [_module_row(stats, self.device) for stats in list(tracker.last_step_mod_stats.values())],
+        }
+
+
+_LARGEST = 20  # storages listed by size in a table: enough to see what dominates, short enough to read
+
+
+def _state_totals(stats: Any, state: str, device: torch.device) -> list[int]:
+    """Total bytes on ``device`` at each recorded occurrence of a module state (e.g. "Pre-Forward")."""
+    for key, snaps in stats.snapshots.items():
+        if getattr(key, "value", key) == state:
+            return [snap.get(device, {}).get(_TOTAL, 0) for snap in snaps]
+    return []
+
+
+def _module_row(stats: Any, device: torch.device) -> dict[str, Any]:
+    """One module's line of the table, from MemTracker's per-module snapshots of one step."""
+    pre, post = _state_totals(stats, "Pre-Forward", device), _state_totals(stats, "Post-Forward", device)
+    return {
+        "module": stats.mod_fqn,
+        "forward_calls": len(pre),
+        "forward_retained_bytes": sum(b - a for a, b in zip(pre, post)),
+        "peak_forward_bytes": max(_state_totals(stats, "Peak-Forward", device), default=0),
+        "peak_backward_bytes": max(_state_totals(stats, "Peak-Backward", device), default=0),
+    }
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:12.3f}"
+
+
+def _format_table(table: dict[str, Any]) -> str:
+    """Render ``dump_table``'s content for people: sizes in MiB, one aligned section per part."""
+    lines = [f"memory on {table['device']} (mode {table['mode']})"]
+    last = table.get("last_step")
+    if last:
+        lines.append(f"last step: allocated {_mib(last['allocated_bytes']).strip()} MiB, "
+                     f"peak {_mib(last['peak_bytes']).strip()} MiB, reserved {_mib(last['reserved_bytes']).strip()} MiB")
+    if "current" in table:
+        lines += ["", f"{'category':<14}{'MiB now':>12}{'storages':>10}"]
+        for name, nbytes in table["current"].items():
+            count = table["live_storages"].get(name, {}).get("count", "")
+            lines.append(f"{name:<14}{_mib(nbytes)}{count:>10}")
+        lines += ["", f"{'largest live storages (MiB)':<28}category"]
+        lines += [f"{_mib(s['bytes']):<28}{s['category']}" for s in table["largest_storages"]]
+        lines += ["", f"{'module (last step)':<48}{'calls':>6}{'fw kept MiB':>13}{'peak fw MiB':>13}{'peak bw MiB':>13}"]
+        for row in table["modules"]:
+            lines.append(f"{row['module']:<48}{row['forward_calls']:>6}{_mib(row['forward_retained_bytes']):>13}"
+                         f"{_mib(row['peak_forward_bytes']):>13}{_mib(row['peak_backward_bytes']):>13}")
+    if "allocator" in table:
+        lines += [""] + [f"{key:<56}{value}" for key, value in sorted(table["allocator"].items())]
+    return "\n".join(lines) + "\n"
+
+
+_MAX_HISTORY_ENTRIES = 100_000  # alloc/free events kept by CUDA history recording (several KB of host memory each)
+
+
+class MemorySnapshots:
+    """Writes memory snapshots of one rank into ``folder``: every ``freq`` steps, on a leak alarm, on CUDA OOM.
+
+    On CUDA a snapshot is the caching allocator's state (``torch.cuda.memory._snapshot()``) as a pickle that
+    pytorch.org/memory_viz opens; with ``freq > 0`` the allocator also records every allocation and free with
+    its stack trace from ``__enter__`` on (about 2 us per allocation), so the snapshots show where each block
+    came from, and an OOM snapshot shows the allocations that led up to it. With ``freq == 0`` nothing is
+    recorded and an OOM snapshot shows the allocator's blocks only. In exact mode a ``.json`` table
+    (``MemoryMonitor.dump_table``) is written next to it; on CPU the table is the snapshot.
+
+    Files are named ``rank<r>_step<step>_<reason>.{pickle,json}`` with reason ``periodic``, ``leak`` or ``oom``.
+    Use it as a context manager around the loop (inside or outside the monitor's ``with``), call ``step_end``
+    after each step, and pass ``on_leak`` to the leak detector.
+    """
+
+    def __init__(self, monitor: MemoryMonitor, folder: str, freq: int = 0, dump_on_leak: bool = True,
+                 rank: int = 0) -> None:
+        self.monitor = monitor
+        self.folder = folder
+        self.freq = freq
+        self.dump_on_leak = dump_on_leak
+        self.rank = rank
+        self.step = 0
+        self._cuda = monitor.device.type == "cuda"
+        self._recording = False
+
+    def __enter__(self) -> MemorySnapshots:
+        if self._cuda and self.freq > 0:
+            torch.cuda.memory._record_memory_history(max_entries=_MAX_HISTORY_ENTRIES)
+            self._recording = True
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if self._cuda and isinstance(exc, torch.OutOfMemoryError):
+                # The traceback still holds the frames of the failed step, so their tensors are in the snapshot.
+                path = self.dump("oom")
+                logger.error("CUDA out of memory at step %d; memory snapshot written to %s", self.step, path)
+        finally:
+            if self._recording:
+                torch.cuda.memory._record_memory_history(enabled=None)
+                self._recording = False
+
+    def step_end(self, step: int) -> str | None:
+        """Note that ``step`` finished; writes a periodic snapshot every ``freq`` steps and returns its path."""
+        self.step = step
+        if self.freq > 0 and step % self.freq == 0:
+            return self.dump("periodic")
+        return None
+
+    def on_leak(self, verdict: object) -> None:
+        """Leak-detector callback: a snapshot of the leaking state, when ``dump_on_leak`` is set."""
+        if self.dump_on_leak:
+            logger.warning("memory snapshot of the leak written to %s", self.dump("leak"))
+
+    def dump(self, reason: str) -> str:
+        """Write a snapshot now; returns the path of the main file (the pickle on CUDA, the table on CPU)."""
+        os.makedirs(self.folder, exist_ok=True)
+        stem = os.path.join(self.folder, f"rank{self.rank}_step{self.step:06d}_{reason}")
+        path = stem + ".json"
+        if self.monitor.mode == "exact" or not self._cuda:
+            self.monitor.dump_table(path)
+        if self._cuda:
+            path = stem + ".pickle"
+            with open(path, "wb") as f:
+                pickle.dump(torch.cuda.memory._snapshot(self.monitor.device), f)
+        return path

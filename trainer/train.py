@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from parallelisms.clip import clip_grad_norm_
 from parallelisms.mesh import build_meshes
+from parallelisms.pipeline import build_pipeline
 from trainer import device as devices
 from trainer.config import ConfigError, JobConfig, config_to_toml, load_config, run_with_config_errors, validate_job
 from trainer.data import build_dataloader
@@ -94,7 +95,7 @@ def _validation_dataset(cfg: JobConfig):
 
 
 class Trainer:
-    """Owns the model, optimizer, data and metrics of one training run (one per process)."""
+    """Owns the model parts, optimizer, data and metrics of one training run (one per process)."""
 
     def __init__(self, prep: Prepared, device: torch.device):
         cfg = self.cfg = prep.cfg
@@ -109,16 +110,31 @@ class Trainer:
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
 
+        self.model_args = prep.model_args
+        self.loss_fn = self.spec.build_loss_fn(prep.model_args)
         with torch.device("meta"):
             model = self.spec.model_cls(prep.model_args)
         for moe in model.moe_layers():
             moe.aux_loss_coeff = cfg.moe.aux_loss_coeff
-        model = self.spec.parallelize_fn(model, self.dims, self.meshes, cfg)
-        model.to_empty(device=device)
-        model.init_weights(buffer_device=device, seed=cfg.training.seed)
-        model.train()
-        self.model_parts = [model]
-        self.loss_fn = self.spec.build_loss_fn(prep.model_args)
+
+        def parallelize(part: torch.nn.Module) -> torch.nn.Module:
+            return self.spec.parallelize_fn(part, self.dims, self.meshes, cfg)
+
+        self.pipeline, self.schedule, self.has_first_stage, self.has_last_stage = None, None, True, True
+        if self.dims.pp_enabled:
+            n_microbatches = cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
+            self._pp_loss_scale = 1.0
+            self.pipeline = build_pipeline(model, self.dims, self.meshes, cfg.parallelism, n_microbatches,
+                                           self._pipeline_loss, parallelize, device)
+            self.schedule, self.model_parts = self.pipeline.schedule, self.pipeline.parts
+            self.has_first_stage, self.has_last_stage = self.pipeline.has_first_stage, self.pipeline.has_last_stage
+        else:
+            self.model_parts = [parallelize(model)]
+        for part in self.model_parts:
+            part.to_empty(device=device)
+            part.init_weights(buffer_device=device, seed=cfg.training.seed)
+            part.train()
+
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.total_params, self.active_params, self.flops_per_token = self.spec.counts(
@@ -135,10 +151,42 @@ class Trainer:
                     cfg.model.name, cfg.model.flavor, self.total_params / 1e6, self.active_params / 1e6,
                     self.flops_per_token / 1e6, device, self.dims.world_size)
 
-    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+    def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Loss of one pipeline microbatch, already scaled (the schedule runs backward on it directly)."""
+        return self.loss_fn(output, labels) * self._pp_loss_scale
+
+    def _all_reduce_sum(self, t: torch.Tensor, with_pp: bool = False) -> torch.Tensor:
+        """Sum over the data-parallel ranks (and over pipeline stages when only the last stage holds a value)."""
         if self.dp_group is not None:
             dist.all_reduce(t, group=self.dp_group)
+        if with_pp and self.pp_group is not None:
+            dist.all_reduce(t, group=self.pp_group)
         return t
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: int) -> torch.Tensor:
+        """Accumulate gradients of sum-CE / global_tokens over this rank's batch; return the local loss sum."""
+        lbs = self.cfg.training.local_batch_size
+        loss_sum = torch.zeros((), device=self.device)
+        model = self.model_parts[0]
+        for start in range(0, inputs.shape[0], lbs):
+            x = inputs[start:start + lbs].to(self.device)
+            y = labels[start:start + lbs].to(self.device)
+            if self.schedule is not None:
+                # the schedule splits the local batch into pipeline microbatches and runs forward and backward
+                self._pp_loss_scale = 1.0 / global_tokens
+                losses = [] if self.has_last_stage else None
+                self.schedule.step(*((x,) if self.has_first_stage else ()),
+                                   target=y if self.has_last_stage else None, losses=losses)
+                if self.has_last_stage:
+                    loss_sum += torch.stack([loss.detach() for loss in losses]).sum() * global_tokens
+                continue
+            with self.autocast:
+                out = model(x)
+            micro_loss = self.loss_fn(out, y)
+            del out  # free the logits before backward allocates their gradient
+            (micro_loss / global_tokens).backward()
+            loss_sum += micro_loss.detach()
+        return loss_sum
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns the scalars to log."""
@@ -149,19 +197,7 @@ class Trainer:
             for moe in part.moe_layers():
                 moe.aux_loss_grad_scale = 1.0 / max(global_tokens, 1)
 
-        lbs = cfg.training.local_batch_size
-        loss_sum = torch.zeros((), device=self.device)
-        model = self.model_parts[0]
-        for start in range(0, inputs.shape[0], lbs):
-            x = inputs[start:start + lbs].to(self.device)
-            y = labels[start:start + lbs].to(self.device)
-            with self.autocast:
-                out = model(x)
-            micro_loss = self.loss_fn(out, y)
-            del out  # free the logits before backward allocates their gradient
-            (micro_loss / global_tokens).backward()
-            loss_sum += micro_loss.detach()
-
+        loss_sum = self._forward_backward(inputs, labels, global_tokens)
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, self.pp_group)
         lr = self.lr_scheduler.get_last_lr()[0]
@@ -169,7 +205,7 @@ class Trainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         scalars = self.spec.post_optimizer_step(self.model_parts, cfg, self.dp_group)
-        loss = self._all_reduce_sum(loss_sum).item() / global_tokens
+        loss = self._all_reduce_sum(loss_sum, with_pp=True).item() / global_tokens
         if not torch.isfinite(grad_norm):
             logger.warning("step has a non-finite grad norm %s", grad_norm.item())
         scalars.update({"loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
@@ -184,19 +220,27 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         try:
+            lbs = self.cfg.training.local_batch_size
             for _ in range(self.cfg.validation.steps):
                 inputs, labels = self.val_loader.next_batch()
-                inputs, labels = inputs.to(self.device), labels.to(self.device)
-                with self.autocast:
-                    total += self.loss_fn(self.model_parts[0](inputs), labels)
-                tokens += count_valid_tokens(labels)
+                tokens += count_valid_tokens(labels).to(self.device)
+                for start in range(0, inputs.shape[0], lbs):
+                    x = inputs[start:start + lbs].to(self.device)
+                    y = labels[start:start + lbs].to(self.device)
+                    with self.autocast:
+                        if self.pipeline is not None:
+                            out = self.pipeline.forward(x, (*x.shape, self.model_args.dim))
+                            if out is not None:
+                                total += self.loss_fn(out, y)
+                            continue
+                        total += self.loss_fn(self.model_parts[0](x), y)
         finally:
             for part in self.model_parts:
                 part.train()
-        return (self._all_reduce_sum(total) / self._all_reduce_sum(tokens)).item()
+        return (self._all_reduce_sum(total, with_pp=True) / self._all_reduce_sum(tokens)).item()
 
-    def train(self) -> list[float]:
-        """Run `training.steps` steps; returns the loss of every step."""
+    def train(self, history: list[dict] | None = None) -> list[float]:
+        """Run `training.steps` steps; returns the loss of every step (and appends all scalars to `history`)."""
         cfg = self.cfg
         losses = []
         with self.memory:
@@ -214,6 +258,8 @@ class Trainer:
                     scalars["validation/loss"] = self.validate()
                     logger.info("step %d validation loss %.4f", step, scalars["validation/loss"])
                 self.metrics.log(step, scalars)
+                if history is not None:
+                    history.append(scalars)
                 if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
                     self.metrics.console(step, scalars["loss"], scalars["grad_norm"], tokens_per_s,
                                          mem.allocated_bytes / 2**30, mem.peak_bytes / 2**30, scalars["lr"])
@@ -223,10 +269,11 @@ class Trainer:
         self.metrics.close()
 
 
-def run(cfg: JobConfig, shutdown: bool = True) -> list[float]:
+def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None) -> list[float]:
     """Train with an already loaded config in this process; returns the loss of every step.
 
-    `shutdown=False` keeps the process group alive so a test can run several jobs in one launch.
+    `shutdown=False` keeps the process group alive so a test can run several jobs in one launch; `history`
+    receives every step's logged scalars.
     """
     world_size, rank = devices.world_size_from_env(), int(os.environ.get("RANK", 0))
     prep = prepare(cfg, world_size, rank)
@@ -235,7 +282,7 @@ def run(cfg: JobConfig, shutdown: bool = True) -> list[float]:
     trainer = None
     try:
         trainer = Trainer(prep, device)
-        return trainer.train()
+        return trainer.train(history)
     finally:
         if trainer is not None:
             trainer.close()

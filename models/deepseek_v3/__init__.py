@@ -38,6 +38,10 @@ def build_args(job_config) -> ModelArgs:
                           f"{ep} does not divide the {args.n_routed_experts} routed experts",
                           ", ".join(str(d) for d in range(1, args.n_routed_experts + 1)
                                     if args.n_routed_experts % d == 0))
+    if job_config.parallelism.pipeline_parallel_degree > 1 and args.num_mtp_layers > 0:
+        raise ConfigError("parallelism.pipeline_parallel_degree",
+                          f"multi-token prediction ({args.num_mtp_layers} MTP layers) needs the embedding and "
+                          "the head on one stage", "1 when the model has MTP layers")
     return args
 
 

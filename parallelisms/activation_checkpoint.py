@@ -1,0 +1,464 @@
+"""Activation checkpointing (AC) of the transformer blocks: what forward keeps, what backward recomputes.
+
+`apply_ac(model, ac_cfg)` applies the `[activation_checkpoint]` section to the blocks of `model.layers` (a
+ModuleDict keyed by the global layer id):
+
+    none                          nothing changes
+    full                          every block keeps only its input and recomputes everything in backward
+    selective, granularity=layer  every `layer_freq`-th block (by global layer id) is checkpointed fully
+    selective, granularity=op     per-op selective checkpointing (SAC) of every block, as data:
+        save_ops                  OP_TABLE names whose outputs are saved; every other op is recomputed
+        force_recompute_modules   submodules (dotted FQN suffixes inside a block, e.g. "moe.router") whose ops
+                                  are recomputed even when their op is in save_ops
+    selective, granularity=op, recompute_modules set (Megatron-Core names, RECOMPUTE_MODULES)
+                                  only the submodules the names cover (and force_recompute_modules) are
+                                  checkpointed; the rest of the block keeps what autograd keeps without AC.
+                                  Inside such a submodule the covered ops are recomputed and the others follow
+                                  save_ops, so a GEMM next to a recomputed activation is not recomputed.
+
+Blocks are wrapped in `checkpoint_wrapper` (state_dict keys unchanged, attribute access forwarded). The
+submodules of recompute_modules get torch's composable `checkpoint` instead, which adds hooks but no wrapper, so
+their FQNs and attributes (`moe.aux_loss_grad_scale = ...`) stay untouched.
+
+Two rules hold in every selective policy, whatever the lists say:
+  * device-to-host copies (the EP split sizes' `.tolist()`, `.item()`) are saved, so recompute never syncs again;
+  * collectives named in save_ops stay saved inside recomputed modules, so a module-level recompute never
+    communicates again (the EP split-size exchange must not run twice).
+
+"Inside a module" is known from forward pre/post hooks on the matched submodules, not from tensor shapes. The
+hooks write into a per-pass state that each checkpointed forward and each recompute creates afresh, so a recompute
+(which runs the module forwards, and so the hooks, again), an early-stopped recompute or an exception never leaves
+a stale "inside" mark for the next pass.
+
+SAC caches the saved outputs per op in call order and hands them back by position during recompute, so a block
+must dispatch the same sequence of each saved op in forward and in recompute. Work that runs in forward only
+(statistics guarded by `torch._C._current_graph_task_id() == -1`) must therefore not use an op that a policy
+saves (`_to_copy` included: d2h copies are saved). Process-wide state (comm buffers) must be created before the
+first forward, outside any checkpointed region: ops run while creating it would enter the SAC cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+__all__ = [
+    "COLLECTIVE_OPS",
+    "OP_TABLE",
+    "RECOMPUTE_MODULES",
+    "OpCounter",
+    "OpRef",
+    "ScopeRule",
+    "ac_config_problem",
+    "apply_ac",
+    "op_kind",
+    "resolve_ops",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------- the op table
+
+@dataclasses.dataclass(frozen=True)
+class OpRef:
+    """One op by qualified name (`namespace.op.overload`), resolved lazily, optionally only when `when` holds.
+
+    Lazy resolution lets the table name ops of libraries that may not be loaded (DeepEP): an op whose namespace
+    is not registered resolves to None and has no effect. `when(args, kwargs)` narrows an op to some calls.
+    """
+
+    name: str
+    when: Callable[[tuple, dict], bool] | None = None
+
+    def resolve(self) -> torch._ops.OpOverload | None:
+        """The OpOverload, or None while its library is not registered."""
+        namespace, op, overload = self.name.split(".")
+        try:
+            return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+        except (AttributeError, RuntimeError):
+            return None
+
+
+def _off_host(args: tuple, kwargs: dict) -> bool:
+    """The first argument is a tensor off the CPU (`.item()` of it is a device-to-host sync)."""
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu"
+
+
+def _to_host(args: tuple, kwargs: dict) -> bool:
+    """`_to_copy(x, device=cpu)` of a tensor that is not on the CPU (`.cpu()`, `.to("cpu")`, `.tolist()`)."""
+    dst = kwargs.get("device")
+    return dst is not None and torch.device(dst).type == "cpu" and _off_host(args, kwargs)
+
+
+_SDPA = "aten._scaled_dot_product"
+
+#: Short op names usable in `save_ops`, and the ops (resolved lazily) they stand for.
+OP_TABLE: dict[str, tuple[OpRef, ...]] = {
+    # aten.linear is composite and reaches the dispatcher as mm/addmm in eager; listed for traced graphs.
+    "mm": (OpRef("aten.mm.default"), OpRef("aten.addmm.default"), OpRef("aten.bmm.default"),
+           OpRef("aten.linear.default")),
+    "grouped_mm": (OpRef("aten._grouped_mm.default"),),
+    # Fused SDPA kernels. MLA's q/k head dim differs from v's, which the CPU flash kernel rejects, so on CPU the
+    # model's attention takes the math path (bmm and softmax, covered by "mm" and "softmax").
+    "attention": (OpRef(f"{_SDPA}_flash_attention_for_cpu.default"), OpRef(f"{_SDPA}_flash_attention.default"),
+                  OpRef(f"{_SDPA}_efficient_attention.default"), OpRef(f"{_SDPA}_cudnn_attention.default"),
+                  OpRef("aten._flash_attention_forward.default"), OpRef("aten._efficient_attention_forward.default")),
+    "softmax": (OpRef("aten._softmax.default"), OpRef("aten._safe_softmax.default")),
+    "all_to_all": (OpRef("_c10d_functional.all_to_all_single.default"),),
+    "reduce_scatter": (OpRef("_c10d_functional.reduce_scatter_tensor.default"),),
+    "all_gather": (OpRef("_c10d_functional.all_gather_into_tensor.default"),),
+    "max": (OpRef("aten.max.default"), OpRef("aten.max.dim"), OpRef("aten.amax.default")),
+    "topk": (OpRef("aten.topk.default"),),
+    "deepep_dispatch": (OpRef("deepep.dispatch.default"),),
+    "deepep_combine": (OpRef("deepep.combine.default"),),
+    # Saved by every selective policy whether listed or not (see the module docstring).
+    "d2h_copy": (OpRef("aten._to_copy.default", when=_to_host),
+                 OpRef("aten._local_scalar_dense.default", when=_off_host)),
+    "silu": (OpRef("aten.silu.default"),),
+    "mul": (OpRef("aten.mul.Tensor"),),
+    # The fused RMSNorm kernel (CUDA); on CPU nn.RMSNorm decomposes into pow/mean/rsqrt/mul and this is a no-op.
+    "norm": (OpRef("aten._fused_rms_norm.default"),),
+}
+
+#: Save-list names that communicate: kept saved even inside recomputed modules.
+COLLECTIVE_OPS = ("all_to_all", "reduce_scatter", "all_gather", "deepep_dispatch", "deepep_combine")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScopeRule:
+    """Recompute the ops that run inside the block submodules whose FQN ends with `module`.
+
+    kinds: OP_TABLE names the rule is restricted to (None = every op of the module).
+    direct_only: only ops the module's own forward runs, not those of its child modules.
+    """
+
+    module: str
+    kinds: tuple[str, ...] | None = None
+    direct_only: bool = False
+
+
+#: Megatron-Core `--recompute-modules` names and what they recompute in a DeepSeek-V3 block.
+RECOMPUTE_MODULES: dict[str, tuple[ScopeRule, ...]] = {
+    # The attention core between the projections: RoPE, q/k assembly, SDPA (fused, or its math path on CPU).
+    "core_attn": (ScopeRule("attention", direct_only=True),),
+    # The MLA up-projections from the compressed latents, with the latent norms in front of them.
+    "mla_up_proj": (ScopeRule("attention.q_norm"), ScopeRule("attention.wq_b"), ScopeRule("attention.kv_norm"),
+                    ScopeRule("attention.wkv_b")),
+    # The SwiGLU activation of the routed experts (silu and the gate product); the grouped GEMMs follow save_ops.
+    "moe_act": (ScopeRule("moe.experts", kinds=("silu", "mul")),),
+    # The block's two pre-norms (the MLA latent norms belong to mla_up_proj).
+    "layernorm": (ScopeRule("attention_norm"), ScopeRule("ffn_norm")),
+    # The dense SwiGLU FFN of the first n_dense_layers blocks.
+    "mlp": (ScopeRule("feed_forward"),),
+    # The whole MoE layer: router, dispatch, experts, combine, shared experts (collectives stay saved).
+    "moe": (ScopeRule("moe"),),
+    "shared_experts": (ScopeRule("moe.shared_experts"),),
+}
+
+
+def resolve_ops(name: str) -> list[torch._ops.OpOverload]:
+    """The registered ops of OP_TABLE entry `name` (unregistered ones are left out); ValueError if unknown."""
+    if name not in OP_TABLE:
+        raise ValueError(f"unknown op name {name!r}; valid names: {', '.join(OP_TABLE)}")
+    return [op for op in (ref.resolve() for ref in OP_TABLE[name]) if op is not None]
+
+
+def _kind_index() -> dict[torch._ops.OpOverload, list[tuple[str, Callable | None]]]:
+    index: dict[torch._ops.OpOverload, list[tuple[str, Callable | None]]] = collections.defaultdict(list)
+    for name, refs in OP_TABLE.items():
+        for ref in refs:
+            op = ref.resolve()
+            if op is not None:
+                index[op].append((name, ref.when))
+    return index
+
+
+def _kind_in(index, op, args: tuple, kwargs: dict) -> str | None:
+    for name, when in index.get(op, ()):
+        if when is None or when(args, kwargs):
+            return name
+    return None
+
+
+def op_kind(op: torch._ops.OpOverload, args: tuple = (), kwargs: dict | None = None) -> str | None:
+    """The OP_TABLE name that `op` called with args/kwargs falls under, or None."""
+    return _kind_in(_kind_index(), op, args, kwargs or {})
+
+
+def ac_config_problem(ac_cfg) -> tuple[str, str, str] | None:
+    """The first mistake in the AC section's names as (key, problem, allowed values), or None.
+
+    Checks what needs no model: op names, Megatron module names, and that recompute_modules comes with the
+    selective per-op mode. Names in force_recompute_modules depend on the model; `apply_ac` looks them up.
+    """
+    for name in ac_cfg.save_ops:
+        if name not in OP_TABLE:
+            return "activation_checkpoint.save_ops", f"unknown op name {name!r}", ", ".join(OP_TABLE)
+    for name in ac_cfg.recompute_modules:
+        if name not in RECOMPUTE_MODULES:
+            return ("activation_checkpoint.recompute_modules", f"unknown module name {name!r}",
+                    ", ".join(RECOMPUTE_MODULES))
+    if ac_cfg.recompute_modules and (ac_cfg.mode, ac_cfg.granularity) != ("selective", "op"):
+        return ("activation_checkpoint.recompute_modules",
+                f"set, but mode={ac_cfg.mode!r} granularity={ac_cfg.granularity!r} would ignore it",
+                '[] unless mode = "selective" and granularity = "op"')
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- scope tracking
+
+def _matches(fqn: str, pattern: str) -> bool:
+    return fqn == pattern or fqn.endswith("." + pattern)
+
+
+def _join(prefix: str, fqn: str) -> str:
+    return ".".join(p for p in (prefix, fqn) if p)
+
+
+@dataclasses.dataclass
+class _PassState:
+    """Which hooked submodules are running in one forward or recompute pass of one checkpointed module."""
+
+    stack: list[str] = dataclasses.field(default_factory=list)
+    entered: set[str] = dataclasses.field(default_factory=set)
+
+
+class _ScopeTracker:
+    """Hooks on the rule modules under `root` (a block, or a submodule at block-relative `prefix`).
+
+    Targets are FQNs relative to root; "" stands for root itself, whose ops are all inside. The state lives per
+    pass and per thread: `begin()` installs a fresh one for a checkpointed forward or recompute, and hooks firing
+    outside such a pass (evaluation under no_grad) do nothing.
+    """
+
+    def __init__(self, root: nn.Module, prefix: str, rules: Sequence[ScopeRule]):
+        modules = dict(root.named_modules())
+        self._local = threading.local()
+        self.rules: list[tuple[frozenset[str], bool, tuple[str, ...] | None]] = []
+        hooked: set[str] = set()
+        for rule in rules:
+            targets = frozenset(f for f in modules if _matches(_join(prefix, f), rule.module))
+            if not targets:
+                continue
+            self.rules.append((targets, rule.direct_only, rule.kinds))
+            hooked |= targets
+            if rule.direct_only:
+                # children are hooked too, so that the innermost running module tells "itself" from "a child"
+                hooked |= {_join(t, child) for t in targets for child, _ in modules[t].named_children()}
+        hooked.discard("")  # root runs for the whole pass; hooking it would race the checkpoint's own hooks
+        self.targets = frozenset().union(*(targets for targets, _, _ in self.rules)) - {""}
+        self.prefix = prefix
+        for fqn in sorted(hooked):
+            modules[fqn].register_forward_pre_hook(functools.partial(self._enter, fqn))
+            modules[fqn].register_forward_hook(functools.partial(self._exit, fqn), always_call=True)
+
+    def _enter(self, fqn: str, module, args) -> None:
+        state = getattr(self._local, "state", None)
+        if state is not None:
+            state.stack.append(fqn)
+            state.entered.add(fqn)
+
+    def _exit(self, fqn: str, module, args, output) -> None:
+        state = getattr(self._local, "state", None)
+        if state is not None and state.stack and state.stack[-1] == fqn:
+            state.stack.pop()
+
+    def running(self) -> list[str]:
+        """Root-relative FQNs of the hooked modules running now, outermost first ("" = root)."""
+        state = getattr(self._local, "state", None)
+        return [""] + (state.stack if state is not None else [])
+
+    def begin(self) -> _PassState | None:
+        previous = getattr(self._local, "state", None)
+        self._local.state = _PassState()
+        return previous
+
+    def end(self, previous: _PassState | None, check_entered: bool) -> None:
+        state = getattr(self._local, "state", None)
+        self._local.state = previous
+        if check_entered and state is not None:
+            for fqn in sorted(self.targets - state.entered):
+                # A submodule whose forward is never called (its parent uses only its weights) cannot be
+                # scoped by hooks: say so (Python shows a given warning once) instead of recomputing nothing.
+                warnings.warn(f"activation checkpointing: {_join(self.prefix, fqn)!r} never ran its forward "
+                              "inside its block, so its recompute rule has no effect (its parent uses only its "
+                              "parameters)", RuntimeWarning, stacklevel=2)
+
+
+class _PassContext:
+    """Enters one pass's SAC dispatch mode with a fresh scope state around it."""
+
+    def __init__(self, tracker: _ScopeTracker, mode: TorchDispatchMode, is_forward: bool):
+        self._tracker = tracker
+        self._mode = mode
+        self._is_forward = is_forward
+        self._previous: _PassState | None = None
+
+    @property
+    def ac_graph_id(self):
+        """torch.compile tags a traced SAC region through this attribute of the forward context."""
+        return getattr(self._mode, "ac_graph_id", None)
+
+    @ac_graph_id.setter
+    def ac_graph_id(self, value) -> None:
+        self._mode.ac_graph_id = value
+
+    def __enter__(self):
+        self._previous = self._tracker.begin()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            return self._mode.__exit__(exc_type, exc, tb)
+        finally:
+            self._tracker.end(self._previous, check_entered=self._is_forward and exc_type is None)
+
+
+# ----------------------------------------------------------------------------------------------- the SAC policy
+
+class _SelectivePolicy:
+    """The per-op decision inside one checkpointed module, in this order:
+
+    d2h copy -> save; collective listed in save_ops -> save; inside a recompute scope -> recompute;
+    in save_ops -> save; anything else -> recompute.
+    """
+
+    def __init__(self, save_ops: Sequence[str], tracker: _ScopeTracker):
+        self.save_names = tuple(save_ops)
+        self.tracker = tracker
+        self._resolve()
+
+    def _resolve(self) -> None:
+        """Resolve the op names; repeated per forward, so that a library loaded later (DeepEP) takes effect."""
+        self.save = frozenset(op for name in self.save_names for op in resolve_ops(name))
+        self.pinned = frozenset(op for name in self.save_names if name in COLLECTIVE_OPS for op in resolve_ops(name))
+        self.host_copies = {ref.resolve(): ref.when for ref in OP_TABLE["d2h_copy"]}
+        self.rule_ops = [
+            (targets, direct, None if kinds is None else frozenset(op for k in kinds for op in resolve_ops(k)))
+            for targets, direct, kinds in self.tracker.rules
+        ]
+
+    def context_fn(self):
+        """`context_fn` of `torch.utils.checkpoint`: a fresh SAC cache and scope state per checkpointed call."""
+        self._resolve()
+        fwd_mode, recompute_mode = create_selective_checkpoint_contexts(self)
+        return _PassContext(self.tracker, fwd_mode, True), _PassContext(self.tracker, recompute_mode, False)
+
+    def _in_recompute_scope(self, op) -> bool:
+        if not self.rule_ops:
+            return False
+        running = self.tracker.running()
+        for targets, direct, ops in self.rule_ops:
+            inside = running[-1] in targets if direct else any(f in targets for f in running)
+            if inside and (ops is None or op in ops):
+                return True
+        return False
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        when = self.host_copies.get(op)
+        if when is not None and when(args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        if op in self.pinned:
+            return CheckpointPolicy.MUST_SAVE
+        if self._in_recompute_scope(op):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in self.save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# ----------------------------------------------------------------------------------------------- apply
+
+def _check_force_modules(blocks: Iterable[nn.Module], names: Sequence[str]) -> None:
+    fqns = sorted({f for block in blocks for f, _ in block.named_modules() if f})
+    for name in names:
+        if not any(_matches(f, name) for f in fqns):
+            # Not an error: a pipeline stage may hold no block with that module (only dense layers, say).
+            logger.warning("activation_checkpoint.force_recompute_modules: %r matches no module inside the blocks "
+                           "of this model part; names there: %s", name, ", ".join(fqns))
+
+
+def _covering_modules(block: nn.Module, rules: Sequence[ScopeRule]) -> list[str]:
+    """Block-relative FQNs to checkpoint for `rules`: every match, minus those inside another match."""
+    matched = {f for f, _ in block.named_modules() if f and any(_matches(f, r.module) for r in rules)}
+    return sorted(f for f in matched if not any(f.startswith(other + ".") for other in matched))
+
+
+def apply_ac(model: nn.Module, ac_cfg) -> nn.Module:
+    """Apply the `[activation_checkpoint]` section `ac_cfg` to the blocks of `model.layers` in place; returns model.
+
+    Call it after expert parallelism (the dispatcher must be in place) and before compile and FSDP. Blocks become
+    `CheckpointWrapper`s: attribute access (`layer.moe`, `layer.moe_enabled`) is forwarded and state_dict keys
+    are unchanged, but `named_parameters()` shows a `_checkpoint_wrapped_module.` component.
+    """
+    problem = ac_config_problem(ac_cfg)
+    if problem is not None:
+        key, what, allowed = problem
+        raise ValueError(f"{key}: {what}; allowed: {allowed}")
+    if ac_cfg.mode == "none":
+        return model
+    layers = model.layers
+    wrapper_kwargs: dict[str, Any] = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT, "preserve_rng_state": True,
+                                      "early_stop": ac_cfg.early_stop}
+    if ac_cfg.mode == "full":
+        for name, block in list(layers.items()):
+            layers[name] = checkpoint_wrapper(block, **wrapper_kwargs)
+        return model
+    if ac_cfg.granularity == "layer":
+        for name, block in list(layers.items()):
+            # layer ids are global (pipeline stages keep them), so the choice does not depend on the PP split
+            if (int(name) + 1) % ac_cfg.layer_freq == 0:
+                layers[name] = checkpoint_wrapper(block, **wrapper_kwargs)
+        return model
+
+    _check_force_modules(layers.values(), ac_cfg.force_recompute_modules)
+    rules = [ScopeRule(name) for name in ac_cfg.force_recompute_modules]
+    if not ac_cfg.recompute_modules:
+        for name, block in list(layers.items()):
+            policy = _SelectivePolicy(ac_cfg.save_ops, _ScopeTracker(block, "", rules))
+            layers[name] = checkpoint_wrapper(block, context_fn=policy.context_fn, **wrapper_kwargs)
+        return model
+
+    rules += [rule for name in ac_cfg.recompute_modules for rule in RECOMPUTE_MODULES[name]]
+    for block in layers.values():
+        for fqn in _covering_modules(block, rules):
+            module = block.get_submodule(fqn)
+            policy = _SelectivePolicy(ac_cfg.save_ops, _ScopeTracker(module, fqn, rules))
+            composable_checkpoint(module, context_fn=policy.context_fn, preserve_rng_state=True,
+                                  early_stop=ac_cfg.early_stop)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- measurement
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched while active: by overload (`counts["aten.mm.default"]`) and by OP_TABLE name
+    (`kinds["mm"]`, "other" for the rest).
+
+    What a backward recomputes is the difference between the counts of the same backward with and without AC.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.kinds: collections.Counter[str] = collections.Counter()
+        self._index = _kind_index()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.counts[str(func)] += 1
+        self.kinds[_kind_in(self._index, func, args, kwargs) or "other"] += 1
+        return func(*args, **kwargs)

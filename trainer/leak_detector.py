@@ -1,0 +1,179 @@
+"""Memory-leak detection from the memory left allocated at the end of each step.
+
+In a healthy run the memory alive at step end (parameters, gradients if kept, optimizer state, buffers) is
+flat once the first steps have created the optimizer state: the exact CPU tracker measures it as constant to
+the byte, and the CUDA allocator's ``allocated_bytes`` behaves the same. A leak makes it climb, step after step,
+while loss and throughput look normal (torchtitan #979, #1467, #2273: see docs/memory.md).
+
+The detector fits a robust slope to the last ``window`` step-end values: the Theil-Sen estimator, the median of
+the slopes between every pair of points. The median ignores single-step spikes, and it survives noise that a
+least-squares fit would follow. A one-time level shift (a lazily built cache, the first validation pass)
+lifts that median above zero only while the shift sits near the middle of the window, for about 30% of a
+window's positions; a leak keeps it up for good. So the alarm needs the slope above the threshold for
+``window // 2`` consecutive steps: a single shift never raises it, a per-step leak raises it
+``warmup_steps + window + window // 2 - 1`` steps into the run (19 with the defaults), and a leak that only
+grows every ``k`` steps (e.g. only in validation) is caught while the window spans at least two periods
+(``window >= 2 * k``, measured: periods up to 6 steps are caught with window 10).
+
+Typical use in the loop::
+
+    detector = LeakDetector.from_config(cfg.memory, on_leak=snapshots.on_leak)
+    ...
+    verdict = detector.update(step, stats.allocated_bytes, stats.breakdown)
+    scalars.update(LeakDetector.to_scalars(verdict))
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from statistics import median
+
+__all__ = ["LeakDetector", "LeakVerdict", "MemoryLeakError", "theil_sen_slope"]
+
+logger = logging.getLogger(__name__)
+
+_MiB = float(1 << 20)
+SLOPE_TAG = "memory/leak_slope_MiB_per_step"
+"""Tensorboard tag of the slope, logged every step once the window is full."""
+
+
+class MemoryLeakError(RuntimeError):
+    """Raised by ``LeakDetector.update`` on a leak when ``fail_on_leak`` is set; the message is one line."""
+
+
+def theil_sen_slope(xs: list[float], ys: list[float]) -> float:
+    """Median of the slopes ``(ys[j] - ys[i]) / (xs[j] - xs[i])`` over all pairs with distinct x."""
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i])
+              for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]]
+    if not slopes:
+        raise ValueError("the Theil-Sen slope needs at least two distinct x values")
+    return median(slopes)
+
+
+@dataclass(frozen=True)
+class LeakVerdict:
+    """The detector's reading at one step, once its window is full.
+
+    Attributes:
+        step: the step of this reading.
+        first_step: the first step of the window the slope was fitted on (``step`` is the last).
+        slope_bytes_per_step: Theil-Sen slope of the step-end allocated bytes over the window.
+        threshold_bytes_per_step: the slope above which growth counts as a leak.
+        leaking: the slope has been above the threshold for the confirmation span (``window // 2`` steps).
+        growth_by_category: bytes each memory category (parameters, activations, ...) grew by over the window,
+            when the caller passed a breakdown; empty otherwise.
+    """
+
+    step: int
+    first_step: int
+    slope_bytes_per_step: float
+    threshold_bytes_per_step: float
+    leaking: bool
+    growth_by_category: Mapping[str, int]
+
+    @property
+    def slope_MiB_per_step(self) -> float:
+        return self.slope_bytes_per_step / _MiB
+
+    def message(self) -> str:
+        """One line describing the leak: rate, step range, threshold and the category that grew most."""
+        text = (f"memory leak: memory allocated at step end grows {self.slope_MiB_per_step:.4g} MiB/step "
+                f"(Theil-Sen slope over steps {self.first_step}-{self.step}; threshold "
+                f"{self.threshold_bytes_per_step / _MiB:.4g} MiB/step)")
+        if self.growth_by_category:
+            name, grown = max(self.growth_by_category.items(), key=lambda kv: kv[1])
+            if grown > 0:
+                text += f", mostly {name} (+{grown / _MiB:.4g} MiB over the window)"
+        return text
+
+
+class LeakDetector:
+    """Watches the memory allocated at the end of every step and flags sustained growth.
+
+    Args:
+        warmup_steps: updates ignored at the start (optimizer state and caches are created there).
+        window: steps the slope is fitted over (at least 3); the slope is reported from the step the window is
+            first full, and the alarm needs it above the threshold for ``window // 2`` consecutive steps.
+        threshold_bytes_per_step: slopes above this count as a leak.
+        fail_on_leak: raise ``MemoryLeakError`` at the alarm instead of only logging a warning.
+        on_leak: called once with the alarm's verdict before the warning or the error (e.g. to dump a memory
+            snapshot); its own errors are logged, not raised, so that they cannot hide the leak report.
+        enabled: ``False`` makes ``update`` a no-op returning None (no tracking, so nothing to watch).
+
+    The alarm is raised once per run: one warning, however long the leak lasts. The slope keeps being reported.
+    """
+
+    def __init__(self, warmup_steps: int = 5, window: int = 10, threshold_bytes_per_step: float = 0.1 * _MiB,
+                 fail_on_leak: bool = False, on_leak: Callable[[LeakVerdict], object] | None = None,
+                 enabled: bool = True) -> None:
+        if window < 3:
+            raise ValueError(f"leak window must be at least 3 steps, got {window}")
+        if warmup_steps < 0 or threshold_bytes_per_step <= 0:
+            raise ValueError("leak warmup_steps must be >= 0 and threshold_bytes_per_step > 0")
+        self.warmup_steps = warmup_steps
+        self.window = window
+        self.confirm_steps = window // 2
+        self.threshold_bytes_per_step = float(threshold_bytes_per_step)
+        self.fail_on_leak = fail_on_leak
+        self.on_leak = on_leak
+        self.enabled = enabled
+        self.alarm: LeakVerdict | None = None
+        """The verdict that raised the alarm, once it has been raised."""
+        self._updates = 0
+        self._points: deque[tuple[int, int, Mapping[str, int]]] = deque(maxlen=window)
+        self._above = 0
+
+    @classmethod
+    def from_config(cls, cfg, on_leak: Callable[[LeakVerdict], object] | None = None) -> LeakDetector:
+        """A detector for the ``[memory]`` config section; disabled when tracking is off or ``leak_window`` is 0."""
+        return cls(warmup_steps=cfg.leak_warmup_steps, window=max(cfg.leak_window, 3),
+                   threshold_bytes_per_step=cfg.leak_threshold_MiB_per_step * _MiB,
+                   fail_on_leak=cfg.fail_on_leak, on_leak=on_leak,
+                   enabled=cfg.track != "off" and cfg.leak_window > 0)
+
+    def update(self, step: int, allocated_bytes: int,
+               breakdown: Mapping[str, int] | None = None) -> LeakVerdict | None:
+        """Record the memory allocated at the end of ``step``; returns the verdict once the window is full.
+
+        ``breakdown`` (category -> bytes, e.g. ``MemoryStats.breakdown``) is optional and only names the
+        category that grew in the leak message. Raises ``MemoryLeakError`` at the alarm with ``fail_on_leak``.
+        """
+        if not self.enabled:
+            return None
+        self._updates += 1
+        if self._updates <= self.warmup_steps:
+            return None
+        self._points.append((step, allocated_bytes, dict(breakdown or {})))
+        if len(self._points) < self.window:
+            return None
+        steps = [float(s) for s, _, _ in self._points]
+        slope = theil_sen_slope(steps, [float(b) for _, b, _ in self._points])
+        self._above = self._above + 1 if slope > self.threshold_bytes_per_step else 0
+        first, last = self._points[0][2], self._points[-1][2]
+        growth = {name: last[name] - first.get(name, 0) for name in last}
+        verdict = LeakVerdict(step=step, first_step=self._points[0][0], slope_bytes_per_step=slope,
+                              threshold_bytes_per_step=self.threshold_bytes_per_step,
+                              leaking=self._above >= self.confirm_steps, growth_by_category=growth)
+        if verdict.leaking and self.alarm is None:
+            self._raise_alarm(verdict)
+        return verdict
+
+    def _raise_alarm(self, verdict: LeakVerdict) -> None:
+        self.alarm = verdict
+        if self.on_leak is not None:
+            try:
+                self.on_leak(verdict)
+            except Exception:
+                logger.exception("the leak callback failed")
+        message = verdict.message()
+        if self.fail_on_leak:
+            raise MemoryLeakError(message + "; set memory.fail_on_leak = false to only warn")
+        logger.warning("%s; see docs/memory.md", message)
+
+    @staticmethod
+    def to_scalars(verdict: LeakVerdict | None) -> dict[str, float]:
+        """``{"memory/leak_slope_MiB_per_step": slope}`` once the window is full, else an empty dict."""
+        return {} if verdict is None else {SLOPE_TAG: verdict.slope_MiB_per_step}
