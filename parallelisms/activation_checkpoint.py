@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -262,6 +263,7 @@ class _ScopeTracker:
         hooked.discard("")  # root runs for the whole pass; hooking it would race the checkpoint's own hooks
         self.targets = frozenset().union(*(targets for targets, _, _ in self.rules)) - {""}
         self.prefix = prefix
+        self._by_id = {id(modules[fqn]): fqn for fqn in hooked}
         for fqn in sorted(hooked):
             modules[fqn].register_forward_pre_hook(functools.partial(self._enter, fqn))
             modules[fqn].register_forward_hook(functools.partial(self._exit, fqn), always_call=True)
@@ -279,6 +281,11 @@ class _ScopeTracker:
 
     def running(self) -> list[str]:
         """Root-relative FQNs of the hooked modules running now, outermost first ("" = root)."""
+        if fx_traceback.has_preserved_node_meta():
+            # Under torch.compile the policy runs while a graph is traced: each node carries the stack of modules
+            # it came from, keyed by the module's id (torch 2.13).
+            traced = fx_traceback.current_meta.get("nn_module_stack") or {}
+            return [""] + [self._by_id[int(key)] for key in traced if key.isdigit() and int(key) in self._by_id]
         state = getattr(self._local, "state", None)
         return [""] + (state.stack if state is not None else [])
 
@@ -296,7 +303,7 @@ class _ScopeTracker:
                 # scoped by hooks: say so (Python shows a given warning once) instead of recomputing nothing.
                 warnings.warn(f"activation checkpointing: {_join(self.prefix, fqn)!r} never ran its forward "
                               "inside its block, so its recompute rule has no effect (its parent uses only its "
-                              "parameters)", RuntimeWarning, stacklevel=2)
+                              "parameters)", RuntimeWarning)
 
 
 class _PassContext:
@@ -353,11 +360,9 @@ class _SelectivePolicy:
             for targets, direct, kinds in self.tracker.rules
         ]
 
-    def context_fn(self):
-        """`context_fn` of `torch.utils.checkpoint`: a fresh SAC cache and scope state per checkpointed call."""
-        self._resolve()
-        fwd_mode, recompute_mode = create_selective_checkpoint_contexts(self)
-        return _PassContext(self.tracker, fwd_mode, True), _PassContext(self.tracker, recompute_mode, False)
+    def context_fn(self) -> Callable[[], tuple[_PassContext, _PassContext]]:
+        """`context_fn` for `torch.utils.checkpoint` (a partial: the form torch.compile accepts)."""
+        return functools.partial(_pass_contexts, self)
 
     def _in_recompute_scope(self, op) -> bool:
         if not self.rule_ops:
@@ -378,6 +383,17 @@ class _SelectivePolicy:
         if self._in_recompute_scope(op):
             return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in self.save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _pass_contexts(policy: _SelectivePolicy) -> tuple[_PassContext, _PassContext]:
+    """A fresh SAC cache and scope state per checkpointed call: (forward context, recompute context)."""
+    policy._resolve()
+    fwd_mode, recompute_mode = create_selective_checkpoint_contexts(policy)
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None:
+        # torch.compile traces the region and insists on bare dispatch modes; module hooks do not run while it
+        # traces, so the policy reads the traced node's module stack instead (`_ScopeTracker.running`).
+        return fwd_mode, recompute_mode
+    return _PassContext(policy.tracker, fwd_mode, True), _PassContext(policy.tracker, recompute_mode, False)
 
 
 # ----------------------------------------------------------------------------------------------- apply
@@ -429,7 +445,7 @@ def apply_ac(model: nn.Module, ac_cfg) -> nn.Module:
     if not ac_cfg.recompute_modules:
         for name, block in list(layers.items()):
             policy = _SelectivePolicy(ac_cfg.save_ops, _ScopeTracker(block, "", rules))
-            layers[name] = checkpoint_wrapper(block, context_fn=policy.context_fn, **wrapper_kwargs)
+            layers[name] = checkpoint_wrapper(block, context_fn=policy.context_fn(), **wrapper_kwargs)
         return model
 
     rules += [rule for name in ac_cfg.recompute_modules for rule in RECOMPUTE_MODULES[name]]
@@ -437,7 +453,7 @@ def apply_ac(model: nn.Module, ac_cfg) -> nn.Module:
         for fqn in _covering_modules(block, rules):
             module = block.get_submodule(fqn)
             policy = _SelectivePolicy(ac_cfg.save_ops, _ScopeTracker(module, fqn, rules))
-            composable_checkpoint(module, context_fn=policy.context_fn, preserve_rng_state=True,
+            composable_checkpoint(module, context_fn=policy.context_fn(), preserve_rng_state=True,
                                   early_stop=ac_cfg.early_stop)
     return model
 

@@ -13,6 +13,7 @@ dimension: `dp_shard = efsdp * ep`. From that one mesh:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -39,18 +40,23 @@ def build_meshes(dims, device_type: str) -> Meshes:
     """Create the world mesh for `dims` (a ParallelDims) on the default process group and slice it."""
     world = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.efsdp, dims.ep),
                              mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
-    world["efsdp", "ep"]._flatten("dp_shard")
-    world["dp_replicate", "efsdp", "ep"]._flatten("dp")
+    dp_shard = world["efsdp", "ep"]._flatten("dp_shard")
+    dp = world["dp_replicate", "efsdp", "ep"]._flatten("dp")
     dense = experts = None
     if dims.dp > 1:
-        dense = world["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else world["dp_shard"]
-        if dims.ep > 1:
-            experts = world["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else world["efsdp"]
+        dense = dp_shard
+        experts = world["efsdp"] if dims.ep > 1 else None
+        if dims.dp_replicate > 1:
+            with warnings.catch_warnings():
+                # HSDP needs the 2-D (replicate, shard) mesh, which only slicing the root mesh can give in 2.13
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+                dense = world["dp_replicate", "dp_shard"]
+            experts = world["dp_replicate", "efsdp"] if dims.ep > 1 else None
     return Meshes(
         world=world,
         dense=dense,
         experts=experts,
         ep=world["ep"] if dims.ep > 1 else None,
-        dp=world["dp"] if dims.dp > 1 else None,
+        dp=dp if dims.dp > 1 else None,
         pp=world["pp"] if dims.pp > 1 else None,
     )

@@ -135,6 +135,31 @@ class Pipeline:
         return None
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """Which units each stage holds and which stages this pipeline rank runs."""
+
+    names: list[list[str]]
+    stage_ids: list[int]
+    v_shape: bool
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.names)
+
+
+def plan_stages(n_layers: int, pp: int, pp_rank: int, par_cfg) -> StagePlan:
+    """Stage split from `[parallelism]`: explicit module lists per stage, or balanced by layer count."""
+    schedule_name = par_cfg.pipeline_parallel_schedule
+    if par_cfg.pipeline_parallel_module_fqns_per_stage:
+        names = [entry.split() for entry in par_cfg.pipeline_parallel_module_fqns_per_stage]
+    else:
+        n_stages = pp * stages_per_rank(schedule_name, n_layers, pp, par_cfg.pipeline_parallel_layers_per_stage)
+        names = split_module_names(n_layers, n_stages)
+    v_shape = schedule_name in V_SHAPED
+    return StagePlan(names, stage_ids_of_rank(pp_rank, pp, len(names), v_shape), v_shape)
+
+
 def build_pipeline(model: nn.Module, parallel_dims, meshes, par_cfg, n_microbatches: int,
                    loss_fn: Callable, parallelize: Callable[[nn.Module], nn.Module], device: torch.device) -> Pipeline:
     """Split `model`, parallelize and wrap this rank's stages, and build the schedule.
@@ -142,26 +167,17 @@ def build_pipeline(model: nn.Module, parallel_dims, meshes, par_cfg, n_microbatc
     `parallelize(part)` applies EP/AC/compile/FSDP to one stage; it runs before materialisation, like for a model
     without pipeline parallelism.
     """
-    pp, schedule_name = parallel_dims.pp, par_cfg.pipeline_parallel_schedule
-    n_layers = len(model.layers)
-    if par_cfg.pipeline_parallel_module_fqns_per_stage:
-        names = [entry.split() for entry in par_cfg.pipeline_parallel_module_fqns_per_stage]
-    else:
-        n_stages = pp * stages_per_rank(schedule_name, n_layers, pp, par_cfg.pipeline_parallel_layers_per_stage)
-        names = split_module_names(n_layers, n_stages)
-    n_stages = len(names)
-    pp_rank = meshes.pp.get_local_rank()
-    v_shape = schedule_name in V_SHAPED
-    stage_ids = stage_ids_of_rank(pp_rank, pp, n_stages, v_shape)
+    schedule_name = par_cfg.pipeline_parallel_schedule
+    plan = plan_stages(len(model.layers), parallel_dims.pp, meshes.pp.get_local_rank(), par_cfg)
     parts, stages = [], []
-    for stage_id in stage_ids:
-        part = parallelize(extract_stage(model, names[stage_id]))
+    for stage_id in plan.stage_ids:
+        part = parallelize(extract_stage(model, plan.names[stage_id]))
         parts.append(part)
-        stages.append(PipelineStage(part, stage_id, n_stages, device, group=meshes.group("pp")))
+        stages.append(PipelineStage(part, stage_id, plan.n_stages, device, group=meshes.group("pp")))
     if schedule_name in SINGLE_STAGE:
         schedule = SINGLE_STAGE[schedule_name](stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn,
                                                scale_grads=False)
     else:
         cls = {**LOOPED, **V_SHAPED}[schedule_name]
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(schedule, parts, stage_ids, n_stages, v_shape, meshes.group("pp"))
+    return Pipeline(schedule, parts, plan.stage_ids, plan.n_stages, plan.v_shape, meshes.group("pp"))

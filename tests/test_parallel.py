@@ -100,3 +100,34 @@ def test_four_ranks_pipeline_with_fsdp_and_ep(tmp_path, reference):
         "pp2_fsdp2_interleaved": PP_DP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
     }, tmp_path)
     _assert_parity(results, reference)
+
+
+def test_dry_run_16b_on_16_and_671b_on_512(capsys):
+    from parallelisms.dry_run import report
+
+    cfg16 = load_config(["--job.config_file", "train_configs/deepseek_v3_16b.toml"])
+    rows = report(cfg16, 16)
+    assert [r["rank"] for r in rows] == [0, 8]  # one rank per pipeline stage
+    # 64 experts over ep=8: 8 local experts; every rank of a stage holds 1/8 of its dense weights
+    assert all("local (8, 1408, 2048)" in r["expert_w1"] for r in rows)
+    assert rows[0]["stages"] == ["tok_embeddings layers.0-13"] and rows[1]["stages"] == ["layers.14-26 norm output"]
+    from models.deepseek_v3.flops import count_params
+    from models.deepseek_v3.args import FLAVORS
+    total = count_params(FLAVORS["16B"]).total
+    assert sum(r["params"] for r in rows) * 8 == pytest.approx(total, rel=0.01)
+
+    cfg671 = load_config(["--job.config_file", "train_configs/deepseek_v3_671b.toml"])
+    rows = report(cfg671, 512)
+    assert len(rows) == 8 and rows[-1]["rank"] == 448
+    # 256 experts / ep 32 = 8 per EP rank, FSDP-sharded again over efsdp = 64 / 32 = 2
+    assert all("local (4, 2048, 7168)" in r["expert_w1"] for r in rows)
+    assert sum(r["params"] for r in rows) * 64 == pytest.approx(count_params(FLAVORS["671B"]).total, rel=0.01)
+
+
+def test_dry_run_through_run_train_sh(tmp_path):
+    r = subprocess.run(["./run_train.sh", "--parallelism.dry_run", "true", "--job.dump_folder", str(tmp_path / "d")],
+                       cwd=REPO, env=dict(os.environ, NGPU="16", CONFIG_FILE="train_configs/deepseek_v3_16b.toml"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "rank     8" in r.stdout and "AdamW" in r.stdout
+    assert not (tmp_path / "d").exists()

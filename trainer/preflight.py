@@ -2,6 +2,8 @@
 
 `run_train.sh` calls this once before torchrun, so a bad config, tokenizer or dataset ends with one line and exit
 code 2 instead of one torchrun failure report per rank. The trainer repeats the same checks in every rank.
+With `parallelism.dry_run = true` it prints the dry-run plan for the world size instead and exits with
+DRY_RUN_DONE, which tells `run_train.sh` not to launch anything.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import sys
 
 from trainer.config import load_config, run_with_config_errors
 from trainer.train import prepare
+
+DRY_RUN_DONE = 10
 
 
 def _check(argv: list[str]) -> None:
@@ -20,6 +24,11 @@ def _check(argv: list[str]) -> None:
     if cfg.job.print_config:
         return  # the trainer prints it
     prepare(cfg, world_size, rank=0)
+    if cfg.parallelism.dry_run:
+        from parallelisms.dry_run import print_report, report
+
+        print_report(report(cfg, world_size), world_size, cfg)
+        sys.exit(DRY_RUN_DONE)
 
 
 if __name__ == "__main__":

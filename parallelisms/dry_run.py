@@ -1,0 +1,121 @@
+"""Dry run: check a parallel layout for any world size in one CPU process, without GPUs.
+
+`python -m parallelisms.dry_run --ngpu 16 --job.config_file train_configs/deepseek_v3_16b.toml [overrides]`
+(or `./run_train.sh --parallelism.dry_run true` with NGPU set) validates the degrees, then, for one rank per
+pipeline stage, joins a fake process group as that rank, builds the real meshes, the pipeline split, expert
+parallelism and FSDP on a meta-device model (no memory), and prints what that rank would hold: parameters (fp32
+master weights), gradients and AdamW state in bytes, plus the placements of an expert and a dense weight.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from parallelisms.mesh import build_meshes
+from parallelisms.pipeline import extract_stage, plan_stages
+from trainer.config import load_config, run_with_config_errors, validate_job
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return (p.to_local() if isinstance(p, DTensor) else p).numel()
+
+
+def _placements(p: torch.Tensor) -> str:
+    if not isinstance(p, DTensor):
+        return "plain"
+    return f"{tuple(p.device_mesh.mesh_dim_names)} {p.placements} local {tuple(p.to_local().shape)}"
+
+
+def inspect_rank(cfg, world_size: int, rank: int) -> dict:
+    """Join a fake process group as `rank`, build its model part(s) on meta, and return its plan."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainer.registry import get_model_spec
+
+    dims = validate_job(cfg, world_size)
+    spec = get_model_spec(cfg.model.name)
+    args = spec.build_args(cfg)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        meshes = build_meshes(dims, "cpu")
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        if dims.pp_enabled:
+            plan = plan_stages(len(model.layers), dims.pp, meshes.pp.get_local_rank(), cfg.parallelism)
+            parts = [extract_stage(model, plan.names[s]) for s in plan.stage_ids]
+            stages = [" ".join(_compact(plan.names[s])) for s in plan.stage_ids]
+        else:
+            parts, stages = [model], ["all"]
+        parts = [spec.parallelize_fn(part, dims, meshes, cfg) for part in parts]
+        named = [(n, p) for part in parts for n, p in part.named_parameters()]
+        numel = sum(_local_numel(p) for _, p in named)
+        expert = next((p for n, p in named if n.endswith("experts.w1")), None)
+        dense = next((p for n, p in named if n.endswith("attention.wo.weight")), None)
+        return {
+            "rank": rank,
+            "coords": dict(zip(meshes.world.mesh_dim_names, meshes.world.get_coordinate())),
+            "stages": stages,
+            "params": numel,
+            "param_bytes": 4 * numel,
+            "grad_bytes": 4 * numel,
+            "optimizer_bytes": 8 * numel,
+            "total_bytes": 16 * numel,
+            "expert_w1": _placements(expert) if expert is not None else None,
+            "dense_wo": _placements(dense) if dense is not None else None,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def _compact(names: list[str]) -> list[str]:
+    """`layers.3 layers.4 layers.5` -> `layers.3-5` for printing."""
+    layers = [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
+    out = [n for n in names if not n.startswith("layers.")]
+    if layers:
+        out.insert(1 if "tok_embeddings" in names else 0, f"layers.{layers[0]}-{layers[-1]}")
+    return out
+
+
+def report(cfg, world_size: int) -> list[dict]:
+    """The plan of the first rank of every pipeline stage (ranks of one stage hold equal shares)."""
+    dims = validate_job(cfg, world_size)
+    per_stage = world_size // dims.pp
+    return [inspect_rank(cfg, world_size, p * per_stage) for p in range(dims.pp)]
+
+
+def print_report(rows: list[dict], world_size: int, cfg) -> None:
+    """Human-readable table of `report`."""
+    gib = 2 ** 30
+    print(f"dry run: {cfg.model.name}/{cfg.model.flavor} on {world_size} ranks "
+          f"(pp x dp_replicate x efsdp x ep, pp outermost)")
+    for r in rows:
+        print(f"rank {r['rank']:>5} {r['coords']}  stages: {'; '.join(r['stages'])}")
+        print(f"    params {r['params'] / 1e9:.3f}B: weights {r['param_bytes'] / gib:.2f} GiB + grads "
+              f"{r['grad_bytes'] / gib:.2f} GiB + AdamW {r['optimizer_bytes'] / gib:.2f} GiB = "
+              f"{r['total_bytes'] / gib:.2f} GiB (fp32, before activations)")
+        if r["expert_w1"]:
+            print(f"    experts.w1: {r['expert_w1']}")
+        if r["dense_wo"]:
+            print(f"    attention.wo: {r['dense_wo']}")
+
+
+def _main(argv: list[str]) -> None:
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
+    if argv[:1] != ["--ngpu"] or len(argv) < 2:
+        raise SystemExit("usage: python -m parallelisms.dry_run --ngpu N [--json] [config args]")
+    world_size, cfg = int(argv[1]), load_config(argv[2:])
+    rows = report(cfg, world_size)
+    if as_json:
+        print(json.dumps({"world_size": world_size, "ranks": rows}))
+    else:
+        print_report(rows, world_size, cfg)
+
+
+if __name__ == "__main__":
+    run_with_config_errors(_main, sys.argv[1:])
