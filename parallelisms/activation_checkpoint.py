@@ -385,6 +385,7 @@ class _SelectivePolicy:
         return CheckpointPolicy.MUST_SAVE if op in self.save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@torch.compiler.disable
 def _pass_contexts(policy: _SelectivePolicy) -> tuple[_PassContext, _PassContext]:
     """A fresh SAC cache and scope state per checkpointed call: (forward context, recompute context)."""
     policy._resolve()

@@ -1,5 +1,6 @@
 """The optimizer: tiling into parameter groups, bit-identical steps, the capped transient, LR schedule and state."""
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -107,9 +108,10 @@ def test_state_dict_round_trip_and_dcp_across_tilings():
         load(clone, clone_opt)
         return clone, clone_opt
 
-    plain = resumed(LAYER_BYTES * 2, lambda m, o: o.load_state_dict(optimizer.state_dict()))
+    # deep copies, as from a file: loading would otherwise share the moment tensors with `optimizer`
+    plain = resumed(LAYER_BYTES * 2, lambda m, o: o.load_state_dict(copy.deepcopy(optimizer.state_dict())))
     # DCP keys state by parameter name, so a checkpoint loads into another tiling (or none)
-    dcp_state = get_optimizer_state_dict(model, optimizer)
+    dcp_state = copy.deepcopy(get_optimizer_state_dict(model, optimizer))
     assert len(dcp_state["param_groups"]) == 4
     dcp_untiled = resumed(0, lambda m, o: set_optimizer_state_dict(m, o, dcp_state))
     dcp_retiled = resumed(LAYER_BYTES * 3, lambda m, o: set_optimizer_state_dict(m, o, dcp_state))
