@@ -385,14 +385,13 @@ class _SelectivePolicy:
         return CheckpointPolicy.MUST_SAVE if op in self.save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-@torch.compiler.disable
 def _pass_contexts(policy: _SelectivePolicy) -> tuple[_PassContext, _PassContext]:
     """A fresh SAC cache and scope state per checkpointed call: (forward context, recompute context)."""
     policy._resolve()
     fwd_mode, recompute_mode = create_selective_checkpoint_contexts(policy)
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None:
-        # torch.compile traces the region and insists on bare dispatch modes; module hooks do not run while it
-        # traces, so the policy reads the traced node's module stack instead (`_ScopeTracker.running`).
+    if fx_traceback.has_preserved_node_meta():
+        # torch.compile runs the region as a graph (it insists on bare dispatch modes then): module hooks do not
+        # fire, so the policy reads each node's module stack instead (`_ScopeTracker.running`).
         return fwd_mode, recompute_mode
     return _PassContext(policy.tracker, fwd_mode, True), _PassContext(policy.tracker, recompute_mode, False)
 

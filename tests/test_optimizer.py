@@ -108,13 +108,14 @@ def test_state_dict_round_trip_and_dcp_across_tilings():
         load(clone, clone_opt)
         return clone, clone_opt
 
-    # deep copies, as from a file: loading would otherwise share the moment tensors with `optimizer`
+    # Each load gets its own deep copy, as if read from a file: loading keeps the given moment tensors, which
+    # would otherwise be shared with `optimizer` and between the clones.
     plain = resumed(LAYER_BYTES * 2, lambda m, o: o.load_state_dict(copy.deepcopy(optimizer.state_dict())))
     # DCP keys state by parameter name, so a checkpoint loads into another tiling (or none)
-    dcp_state = copy.deepcopy(get_optimizer_state_dict(model, optimizer))
+    dcp_state = get_optimizer_state_dict(model, optimizer)
     assert len(dcp_state["param_groups"]) == 4
-    dcp_untiled = resumed(0, lambda m, o: set_optimizer_state_dict(m, o, dcp_state))
-    dcp_retiled = resumed(LAYER_BYTES * 3, lambda m, o: set_optimizer_state_dict(m, o, dcp_state))
+    dcp_untiled = resumed(0, lambda m, o: set_optimizer_state_dict(m, o, copy.deepcopy(dcp_state)))
+    dcp_retiled = resumed(LAYER_BYTES * 3, lambda m, o: set_optimizer_state_dict(m, o, copy.deepcopy(dcp_state)))
     run(model, optimizer, 2)
     for clone, clone_opt in (plain, dcp_untiled, dcp_retiled):
         run(clone, clone_opt, 2)
