@@ -4,19 +4,24 @@
     python benchmarks/ac_sweep.py --job.config_file X.toml --training.seq_len 512   # any trainer config
     python benchmarks/ac_sweep.py --smoke               # tiny model, one step per row: checks the output schema
     python benchmarks/ac_sweep.py --rows full,save_ops-   # only rows whose names start with these (+ no AC)
+    python benchmarks/ac_sweep.py --threads 1           # steadier CPU times on a machine shared with other jobs
+
+Trainer config arguments, when given, replace the default ones (`--job.config_file ... --training.seq_len 256
+--training.local_batch_size 4`) entirely.
 
 Rows: no AC, full, selective per layer, selective per op with the configured save_ops, each save_ops toggle
 (the configured list minus one op, and a list of just one op; ops this model never dispatches are skipped and
 named on stderr), and each Megatron recompute_modules name. The `[activation_checkpoint]` section of the config
 supplies the defaults the rows vary (save_ops, layer_freq, force_recompute_modules, early_stop).
 
-Output: JSON Lines on stdout, one object per row (progress goes to stderr). Per row, measured on a fixed random
-batch with fixed weights:
+Output: JSON Lines on stdout, one object per row, printed once every row is measured (progress goes to stderr).
+Per row, measured on a fixed random batch with fixed weights:
   peak_bytes                   highest tensor memory during forward + backward (exact tracker: every storage)
   held_after_forward_bytes     tensor memory after forward, before backward (includes the parameters)
   activation_bytes             held_after_forward_bytes minus what was held before the forward
-  step_time_s                  median wall time of forward + backward over the timed steps, untracked
-  *_rel                        the same divided by the no-AC row
+  step_time_s, step_cpu_s      median wall time and process CPU time of forward + backward over the timed
+                               rounds (untracked; rounds interleave the rows, see `run`)
+  *_rel                        the same divided by the no-AC row (time_rel: wall, cpu_rel: CPU time)
   recomputed_ops               ops dispatched in backward beyond the no-AC backward, by OP_TABLE name
                                ("other" = the rest); recomputed_total is their sum
 """
@@ -43,15 +48,15 @@ from trainer.registry import get_model_spec  # noqa: E402
 
 DEFAULT_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "256",
                   "--training.local_batch_size", "4"]
-# --smoke: a model small enough that ~25 rows take seconds
+# --smoke: a model small enough that all rows take seconds
 SMOKE_ARGS = dict(vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=2, n_dense_layers=1, n_heads=2,
                   max_seq_len=32, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, q_lora_rank=0,
                   kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 SMOKE_BATCH = (1, 16)
 
 ROW_KEYS = ("row", "mode", "granularity", "layer_freq", "save_ops", "force_recompute_modules", "recompute_modules",
-            "peak_bytes", "held_after_forward_bytes", "activation_bytes", "step_time_s", "peak_rel", "held_rel",
-            "activation_rel", "time_rel", "recomputed_ops", "recomputed_total")
+            "peak_bytes", "held_after_forward_bytes", "activation_bytes", "step_time_s", "step_cpu_s", "peak_rel",
+            "held_rel", "activation_rel", "time_rel", "cpu_rel", "recomputed_ops", "recomputed_total")
 
 
 def sweep_settings(base: ActivationCheckpointSection, dispatched: set[str]) -> list[tuple[str, dict]]:
@@ -100,7 +105,6 @@ class _Bench:
         return model.train()
 
     def step(self, model: torch.nn.Module, backward_counter: OpCounter | None = None, on_forward=None) -> None:
-        model.zero_grad(set_to_none=True)
         loss = self.loss_fn(model(self.inputs), self.labels) / self.labels.numel()
         if on_forward is not None:
             on_forward()
@@ -109,9 +113,16 @@ class _Bench:
         else:
             with backward_counter:
                 loss.backward()
+        model.zero_grad(set_to_none=True)
 
-    def measure(self, ac: ActivationCheckpointSection, warmup: int, timed: int) -> dict:
-        model = self.model(ac)
+    def timed_step(self, model: torch.nn.Module) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process) of one forward + backward."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.step(model)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    def memory_and_ops(self, model: torch.nn.Module) -> dict:
+        """One step under the exact tracker, with the ops of its backward counted."""
         cpu = torch.device("cpu")
         tracker = MemTracker()
         tracker.track_external(model)
@@ -119,22 +130,14 @@ class _Bench:
         held: dict[str, int] = {}
         with tracker:
             before = tracker.get_tracker_snapshot("current")[cpu]["Total"]
-            start = time.perf_counter()
+            wall, cpu_time = time.perf_counter(), time.process_time()
             self.step(model, counter, lambda: held.setdefault("after", tracker.get_tracker_snapshot("current")[cpu]
                                                                 ["Total"]))
-            tracked_time = time.perf_counter() - start
+            wall, cpu_time = time.perf_counter() - wall, time.process_time() - cpu_time
             peak = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
             tracker.reset_mod_stats()
-        for _ in range(warmup):
-            self.step(model)
-        times = []
-        for _ in range(timed):
-            start = time.perf_counter()
-            self.step(model)
-            times.append(time.perf_counter() - start)
-        # without timed steps (--smoke) the tracked step's time stands in: slower, but the schema is the same
         return dict(peak_bytes=peak, held_after_forward_bytes=held["after"], activation_bytes=held["after"] - before,
-                    step_time_s=statistics.median(times) if times else tracked_time, backward_kinds=counter.kinds)
+                    backward_kinds=counter.kinds, tracked_times=(wall, cpu_time))
 
     def dispatched_kinds(self) -> set[str]:
         """OP_TABLE names the blocks dispatch in a forward (only those get a toggle row)."""
@@ -148,32 +151,49 @@ class _Bench:
 def run(config_argv: Sequence[str], smoke: bool, warmup: int, timed: int, only: Sequence[str] = (),
         out=sys.stdout) -> list[dict]:
     """Measure the rows (those starting with a prefix in `only`, if given, and always the no-AC reference),
-    print each as one JSON line to `out` as soon as it is done, and return them."""
+    print them as JSON lines to `out` and return them.
+
+    Memory and recomputed ops come from one tracked step per row. Timing runs afterwards in rounds, one step of
+    every row per round, so that load from other processes spreads over all rows alike; without timed rounds
+    (--smoke) the tracked step's times stand in.
+    """
     cfg = load_config(list(config_argv))
     bench = _Bench(cfg, smoke)
     base = cfg.activation_checkpoint
     dispatched = bench.dispatched_kinds()
     skipped = [op for op in OP_TABLE if op not in dispatched]
     print(f"ops never dispatched by this model (no toggle rows): {', '.join(skipped)}", file=sys.stderr)
-    rows, reference = [], None
+    measured = []
     for name, overrides in sweep_settings(base, dispatched):
         if only and name != "none" and not name.startswith(tuple(only)):
             continue
         ac = ActivationCheckpointSection(**{**vars(base), **overrides})
-        print(f"measuring {name}", file=sys.stderr)
-        m = bench.measure(ac, warmup, timed)
-        reference = reference or m
-        recomputed = {k: n - reference["backward_kinds"].get(k, 0) for k, n in sorted(m["backward_kinds"].items())}
+        print(f"measuring memory and recomputed ops: {name}", file=sys.stderr)
+        model = bench.model(ac)
+        measured.append((name, ac, model, bench.memory_and_ops(model), []))
+    for _, _, model, _, _ in measured:
+        for _ in range(warmup):
+            bench.step(model)
+    for i in range(timed):
+        print(f"timing round {i + 1}/{timed}", file=sys.stderr)
+        for _, _, model, _, times in measured:
+            times.append(bench.timed_step(model))
+    rows = []
+    ref = None
+    for name, ac, _, m, times in measured:
+        wall, cpu_time = (statistics.median(t) for t in zip(*times)) if times else m["tracked_times"]
+        ref = ref or dict(m, wall=wall, cpu=cpu_time)
+        recomputed = {k: n - ref["backward_kinds"].get(k, 0) for k, n in sorted(m["backward_kinds"].items())}
         recomputed = {k: n for k, n in recomputed.items() if n}
         row = dict(row=name, mode=ac.mode, granularity=ac.granularity, layer_freq=ac.layer_freq,
                    save_ops=list(ac.save_ops), force_recompute_modules=list(ac.force_recompute_modules),
                    recompute_modules=list(ac.recompute_modules), peak_bytes=m["peak_bytes"],
                    held_after_forward_bytes=m["held_after_forward_bytes"], activation_bytes=m["activation_bytes"],
-                   step_time_s=round(m["step_time_s"], 4),
-                   peak_rel=round(m["peak_bytes"] / reference["peak_bytes"], 4),
-                   held_rel=round(m["held_after_forward_bytes"] / reference["held_after_forward_bytes"], 4),
-                   activation_rel=round(m["activation_bytes"] / reference["activation_bytes"], 4),
-                   time_rel=round(m["step_time_s"] / reference["step_time_s"], 4),
+                   step_time_s=round(wall, 4), step_cpu_s=round(cpu_time, 4),
+                   peak_rel=round(m["peak_bytes"] / ref["peak_bytes"], 4),
+                   held_rel=round(m["held_after_forward_bytes"] / ref["held_after_forward_bytes"], 4),
+                   activation_rel=round(m["activation_bytes"] / ref["activation_bytes"], 4),
+                   time_rel=round(wall / ref["wall"], 4), cpu_rel=round(cpu_time / ref["cpu"], 4),
                    recomputed_ops=recomputed, recomputed_total=sum(recomputed.values()))
         print(json.dumps(row), file=out, flush=True)
         rows.append(row)
@@ -186,14 +206,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser.add_argument("--smoke", action="store_true", help="tiny model, one tracked step per row, no timing "
                         "steps (checks the output schema; its times mean nothing)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before timing")
-    parser.add_argument("--timed", type=int, default=5, help="timed steps; the median is reported")
+    parser.add_argument("--timed", type=int, default=5, help="timed rounds (one step of every row each); the "
+                        "median is reported")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--rows", default="", help="comma-separated row-name prefixes to run (default: all; "
                         "the no-AC reference row always runs)")
     args, config_argv = parser.parse_known_args(argv)
     if not config_argv:
         config_argv = DEFAULT_CONFIG
     warmup, timed = (0, 0) if args.smoke else (args.warmup, args.timed)
-    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     only = [p for p in args.rows.split(",") if p]
     return run(config_argv, args.smoke, warmup, timed, only)
 

@@ -28,7 +28,9 @@ Two rules hold in every selective policy, whatever the lists say:
 "Inside a module" is known from forward pre/post hooks on the matched submodules, not from tensor shapes. The
 hooks write into a per-pass state that each checkpointed forward and each recompute creates afresh, so a recompute
 (which runs the module forwards, and so the hooks, again), an early-stopped recompute or an exception never leaves
-a stale "inside" mark for the next pass.
+a stale "inside" mark for the next pass. Under torch.compile (of a block, after `apply_ac`) no hook runs while the
+region is traced; the policy reads the module stack each traced node records instead. recompute_modules cannot
+be compiled (the composable checkpoint's hooks break the trace); `ac_config_problem` rejects that combination.
 
 SAC caches the saved outputs per op in call order and hands them back by position during recompute, so a block
 must dispatch the same sequence of each saved op in forward and in recompute. Work that runs in forward only
@@ -200,11 +202,13 @@ def op_kind(op: torch._ops.OpOverload, args: tuple = (), kwargs: dict | None = N
     return _kind_in(_kind_index(), op, args, kwargs or {})
 
 
-def ac_config_problem(ac_cfg) -> tuple[str, str, str] | None:
+def ac_config_problem(ac_cfg, compile_model: bool = False) -> tuple[str, str, str] | None:
     """The first mistake in the AC section's names as (key, problem, allowed values), or None.
 
-    Checks what needs no model: op names, Megatron module names, and that recompute_modules comes with the
-    selective per-op mode. Names in force_recompute_modules depend on the model; `apply_ac` looks them up.
+    Checks what needs no model: op names, Megatron module names, that recompute_modules comes with the selective
+    per-op mode, and not with a compiled model (`compile_model`): torch.compile cannot trace the hook-based
+    composable checkpoint those names use. Names in force_recompute_modules depend on the model; `apply_ac` looks
+    them up.
     """
     for name in ac_cfg.save_ops:
         if name not in OP_TABLE:
@@ -217,6 +221,9 @@ def ac_config_problem(ac_cfg) -> tuple[str, str, str] | None:
         return ("activation_checkpoint.recompute_modules",
                 f"set, but mode={ac_cfg.mode!r} granularity={ac_cfg.granularity!r} would ignore it",
                 '[] unless mode = "selective" and granularity = "op"')
+    if ac_cfg.recompute_modules and compile_model:
+        return ("activation_checkpoint.recompute_modules", "set while the model is compiled (torch.compile cannot "
+                "trace the per-module checkpoints)", "[] with compile, or compile.components without model")
     return None
 
 
@@ -314,15 +321,6 @@ class _PassContext:
         self._mode = mode
         self._is_forward = is_forward
         self._previous: _PassState | None = None
-
-    @property
-    def ac_graph_id(self):
-        """torch.compile tags a traced SAC region through this attribute of the forward context."""
-        return getattr(self._mode, "ac_graph_id", None)
-
-    @ac_graph_id.setter
-    def ac_graph_id(self, value) -> None:
-        self._mode.ac_graph_id = value
 
     def __enter__(self):
         self._previous = self._tracker.begin()

@@ -1,7 +1,9 @@
 """Run several training jobs in one torchrun launch (one process group) and write rank 0's scalars as JSON.
 
 Usage: torchrun --nproc_per_node N tests/dist_worker.py jobs.json results.json
-jobs.json: {"name": [config args...], ...}. Launching costs seconds on 2 cores, so tests group jobs per launch.
+jobs.json: {"name": [config args...] or {"args": [...], "stop_after": k}, ...}. With stop_after the job is
+interrupted after step k (as if Ctrl-C hit step k + 1), to test resuming. Launching costs seconds on 2 cores, so
+tests group jobs per launch.
 """
 
 import json
@@ -15,7 +17,32 @@ import torch.distributed as dist  # noqa: E402
 
 from trainer import device as devices  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.train import run  # noqa: E402
+from trainer.train import Trainer, run  # noqa: E402
+
+
+class _Stop(Exception):
+    pass
+
+
+def _run_job(spec, history):
+    args, stop_after = (spec, None) if isinstance(spec, list) else (spec["args"], spec.get("stop_after"))
+    if stop_after is None:
+        run(load_config(args), shutdown=False, history=history)
+        return
+    original = Trainer.train_step
+
+    def stopping(self, step):
+        if step > stop_after:
+            raise _Stop
+        return original(self, step)
+
+    Trainer.train_step = stopping
+    try:
+        run(load_config(args), shutdown=False, history=history)
+    except _Stop:
+        pass
+    finally:
+        Trainer.train_step = original
 
 
 KEYS = ("loss", "grad_norm", "validation/loss")
@@ -30,7 +57,7 @@ def main(jobs_path: str, out_path: str) -> None:
     try:
         for name, args in jobs.items():
             history = []
-            run(load_config(args), shutdown=False, history=history)
+            _run_job(args, history)
             results[name] = [{k: v for k, v in h.items() if k in KEYS} for h in history]
             dist.barrier()
     finally:

@@ -3,12 +3,11 @@
 Each launch runs several jobs (tests/dist_worker.py) because a multi-process launch costs seconds on 2 cores.
 """
 
-import json
 import os
 import subprocess
-import sys
 
 import pytest
+from dist_utils import launch as _launch
 
 from trainer.config import load_config
 from trainer.train import run
@@ -23,15 +22,7 @@ BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_l
 
 
 def launch(nproc: int, jobs: dict, tmp_path) -> dict:
-    jobs = {name: BASE + ["--job.dump_folder", str(tmp_path / name)] + args for name, args in jobs.items()}
-    jobs_file, out_file = tmp_path / "jobs.json", tmp_path / "out.json"
-    jobs_file.write_text(json.dumps(jobs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(REPO, "tests", "dist_worker.py"), str(jobs_file), str(out_file)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-6000:]
-    return json.loads(out_file.read_text())
+    return _launch(nproc, jobs, tmp_path, BASE)
 
 
 @pytest.fixture(scope="module")

@@ -147,6 +147,9 @@ class TrainingSection:
     """Compute dtype of forward and backward; master weights and optimizer state always stay float32."""
     mixed_precision_reduce: str = _opt("float32", choices=["float32", "bfloat16"])
     """Dtype in which data-parallel gradient reductions are done."""
+    on_nonfinite: str = _opt("skip", choices=["skip", "stop"])
+    """What a step with a NaN/Inf loss or grad norm does: skip (no optimizer update, one warning naming the step)
+    or stop (the run ends with one line naming the step)."""
 
 
 @dataclass
@@ -831,6 +834,9 @@ def validate_job(cfg: JobConfig, world_size: int) -> "ParallelDims":
             f"-1 or a multiple of {per_step}",
         )
 
+    if par.expert_parallel_comm_backend == "deepep":
+        _validate_deepep(cfg, dims)
+
     fqns = par.pipeline_parallel_module_fqns_per_stage
     if not dims.pp_enabled:
         if fqns:
@@ -856,10 +862,30 @@ def validate_job(cfg: JobConfig, world_size: int) -> "ParallelDims":
     # Imported here: the name tables live with the policy, and parallelisms imports this module.
     from parallelisms.activation_checkpoint import ac_config_problem
 
-    ac_problem = ac_config_problem(cfg.activation_checkpoint)
+    ac_problem = ac_config_problem(cfg.activation_checkpoint,
+                                   compile_model=cfg.compile.enable and "model" in cfg.compile.components)
     if ac_problem is not None:
         raise ConfigError(*ac_problem)
     return dims
+
+
+def _validate_deepep(cfg: JobConfig, dims) -> None:
+    """DeepEP needs EP > 1, an installed deep_ep on CUDA machines, both of its ops saved or neither, no compile."""
+    from parallelisms.moe_comm.deepep import deepep_available
+
+    key = "parallelism.expert_parallel_comm_backend"
+    if not dims.ep_enabled:
+        raise ConfigError(key, "deepep needs parallelism.expert_parallel_degree > 1", "alltoall with EP = 1")
+    ok, why = deepep_available()
+    if not ok:
+        raise ConfigError(key, why, "alltoall, or install deep_ep (see docs/deepep.md)")
+    save = set(cfg.activation_checkpoint.save_ops)
+    if cfg.activation_checkpoint.mode == "selective" and ("deepep_dispatch" in save) != ("deepep_combine" in save):
+        raise ConfigError("activation_checkpoint.save_ops", "saves only one of deepep_dispatch / deepep_combine; "
+                          "a recomputed dispatch needs its combine recomputed too", "both or neither")
+    if cfg.compile.enable and "model" in cfg.compile.components:
+        raise ConfigError("compile.components", "the DeepEP custom ops cannot be traced by torch.compile yet",
+                          "[\"loss\"] with deepep, or expert_parallel_comm_backend = alltoall")
 
 
 def _validate_pipeline(cfg: JobConfig, pp: int) -> None:

@@ -102,13 +102,14 @@ class LeakDetector:
         on_leak: called once with the alarm's verdict before the warning or the error (e.g. to dump a memory
             snapshot); its own errors are logged, not raised, so that they cannot hide the leak report.
         enabled: ``False`` makes ``update`` a no-op returning None (no tracking, so nothing to watch).
+        warn: log the warning at the alarm; offline analysis (``trainer.plot_memory``) reports by itself.
 
     The alarm is raised once per run: one warning, however long the leak lasts. The slope keeps being reported.
     """
 
     def __init__(self, warmup_steps: int = 5, window: int = 10, threshold_bytes_per_step: float = 0.1 * _MiB,
                  fail_on_leak: bool = False, on_leak: Callable[[LeakVerdict], object] | None = None,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, warn: bool = True) -> None:
         if window < 3:
             raise ValueError(f"leak window must be at least 3 steps, got {window}")
         if warmup_steps < 0 or threshold_bytes_per_step <= 0:
@@ -120,6 +121,7 @@ class LeakDetector:
         self.fail_on_leak = fail_on_leak
         self.on_leak = on_leak
         self.enabled = enabled
+        self.warn = warn
         self.alarm: LeakVerdict | None = None
         """The verdict that raised the alarm, once it has been raised."""
         self._updates = 0
@@ -171,7 +173,8 @@ class LeakDetector:
         message = verdict.message()
         if self.fail_on_leak:
             raise MemoryLeakError(message + "; set memory.fail_on_leak = false to only warn")
-        logger.warning("%s; see docs/memory.md", message)
+        if self.warn:
+            logger.warning("%s; see docs/memory.md", message)
 
     @staticmethod
     def to_scalars(verdict: LeakVerdict | None) -> dict[str, float]:

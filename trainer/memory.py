@@ -27,13 +27,16 @@ import os
 import pickle
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed._tools import mem_tracker as _mem_tracker_module
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from trainer.leak_detector import LeakVerdict
 
 __all__ = ["MemoryMonitor", "MemorySnapshots", "MemoryStats"]
 
@@ -417,8 +420,8 @@ def _format_table(table: dict[str, Any]) -> str:
     lines = [f"memory on {table['device']} (mode {table['mode']})"]
     last = table.get("last_step")
     if last:
-        lines.append(f"last step: allocated {_mib(last['allocated_bytes']).strip()} MiB, "
-                     f"peak {_mib(last['peak_bytes']).strip()} MiB, reserved {_mib(last['reserved_bytes']).strip()} MiB")
+        lines.append(f"last step: allocated {last['allocated_bytes'] / 2**20:.3f} MiB, peak "
+                     f"{last['peak_bytes'] / 2**20:.3f} MiB, reserved {last['reserved_bytes'] / 2**20:.3f} MiB")
     if "current" in table:
         lines += ["", f"{'category':<14}{'MiB now':>12}{'storages':>10}"]
         for name, nbytes in table["current"].items():
@@ -426,7 +429,8 @@ def _format_table(table: dict[str, Any]) -> str:
             lines.append(f"{name:<14}{_mib(nbytes)}{count:>10}")
         lines += ["", f"{'largest live storages (MiB)':<28}category"]
         lines += [f"{_mib(s['bytes']):<28}{s['category']}" for s in table["largest_storages"]]
-        lines += ["", f"{'module (last step)':<48}{'calls':>6}{'fw kept MiB':>13}{'peak fw MiB':>13}{'peak bw MiB':>13}"]
+        lines += ["", f"{'module (last step)':<48}{'calls':>6}{'fw kept MiB':>13}{'peak fw MiB':>13}"
+                      f"{'peak bw MiB':>13}"]
         for row in table["modules"]:
             lines.append(f"{row['module']:<48}{row['forward_calls']:>6}{_mib(row['forward_retained_bytes']):>13}"
                          f"{_mib(row['peak_forward_bytes']):>13}{_mib(row['peak_backward_bytes']):>13}")
@@ -475,6 +479,7 @@ class MemorySnapshots:
         try:
             if self._cuda and isinstance(exc, torch.OutOfMemoryError):
                 # The traceback still holds the frames of the failed step, so their tensors are in the snapshot.
+                self.step += 1  # name the file after the step that failed, not the last one that finished
                 path = self.dump("oom")
                 logger.error("CUDA out of memory at step %d; memory snapshot written to %s", self.step, path)
         finally:
@@ -489,7 +494,7 @@ class MemorySnapshots:
             return self.dump("periodic")
         return None
 
-    def on_leak(self, verdict: object) -> None:
+    def on_leak(self, verdict: LeakVerdict) -> None:
         """Leak-detector callback: a snapshot of the leaking state, when ``dump_on_leak`` is set."""
         if self.dump_on_leak:
             logger.warning("memory snapshot of the leak written to %s", self.dump("leak"))

@@ -15,28 +15,36 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from parallelisms.clip import clip_grad_norm_
 from parallelisms.mesh import build_meshes
 from parallelisms.pipeline import build_pipeline
 from trainer import device as devices
+from trainer.checkpoint import CheckpointError, CheckpointManager, check_checkpoint, latest_checkpoint
 from trainer.config import ConfigError, JobConfig, config_to_toml, load_config, run_with_config_errors, validate_job
 from trainer.data import build_dataloader
 from trainer.loss import count_valid_tokens
 from trainer.lr_schedule import build_lr_scheduler
-from trainer.memory import MemoryMonitor
+from trainer.leak_detector import LeakDetector, MemoryLeakError
+from trainer.memory import MemoryMonitor, MemorySnapshots
 from trainer.metrics import MetricLogger, init_logging
 from trainer.optimizer import build_optimizer
 from trainer.registry import available_models, get_model_spec
 from trainer.tokenizer import build_tokenizer
 
 logger = logging.getLogger("trainer")
+
+
+class TrainingError(RuntimeError):
+    """A run-time fault the user must act on (e.g. non-finite loss); reported as one line, exit code 1."""
 
 
 @dataclasses.dataclass
@@ -80,7 +88,27 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
             val_loader = build_dataloader(_validation_dataset(cfg), **loader_args)
     except ValueError as e:
         raise ConfigError("dataset", str(e))
+    _check_checkpoints(cfg, spec, model_args)
     return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader)
+
+
+def _check_checkpoints(cfg: JobConfig, spec, model_args) -> None:
+    """Fail before launch on a checkpoint that cannot be resumed or loaded (metadata and file sizes only)."""
+    ckpt = cfg.checkpoint
+    try:
+        resume = latest_checkpoint(ckpt, cfg.job.dump_folder)
+        if resume is None and not ckpt.initial_load_path:
+            return
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in spec.model_cls(model_args).state_dict().items()}
+        if resume is not None:
+            check_checkpoint(resume, shapes)
+        elif ckpt.initial_load_in_hf:
+            spec.state_dict_adapter.checkpoint_files(ckpt.initial_load_path)
+        else:
+            check_checkpoint(ckpt.initial_load_path, shapes, model_only=True)
+    except (CheckpointError, ValueError) as e:
+        raise ConfigError("checkpoint", str(e))
 
 
 def _validation_dataset(cfg: JobConfig):
@@ -135,8 +163,12 @@ class Trainer:
             part.init_weights(buffer_device=device, seed=cfg.training.seed)
             part.train()
 
-        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        if cfg.checkpoint.initial_load_in_hf:
+            self._load_hf_weights(cfg.checkpoint.initial_load_path)
+        # one optimizer per model part: checkpoints key optimizer state by parameter name, whatever the layout
+        self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.model_parts]
+        self.lr_schedulers = [build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)
+                              for opt in self.optimizers]
         self.total_params, self.active_params, self.flops_per_token = self.spec.counts(
             prep.model_args, cfg.training.seq_len)
         # FSDP casts parameters itself (MixedPrecisionPolicy); without FSDP, bf16 compute comes from autocast
@@ -144,12 +176,25 @@ class Trainer:
                          if cfg.training.dtype == "bfloat16" and not self.dims.dp_enabled else contextlib.nullcontext())
 
         self.memory = MemoryMonitor(device, cfg.memory.track)
-        self.memory.track(*self.model_parts, self.optimizer)
+        self.memory.track(*self.model_parts, *self.optimizers)
+        self.snapshots = MemorySnapshots(self.memory, os.path.join(cfg.job.dump_folder, "memory_snapshots"),
+                                         cfg.memory.snapshot_freq, cfg.memory.dump_on_leak, self.rank)
+        self.leak_detector = LeakDetector.from_config(cfg.memory, on_leak=self.snapshots.on_leak)
         self.metrics = MetricLogger(os.path.join(cfg.job.dump_folder, "tb"), self.rank,
                                     cfg.metrics.enable_tensorboard, cfg.metrics.save_for_all_ranks)
+        self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizers,
+                                            self.lr_schedulers, self.train_loader)
+        self.start_step = self.checkpoint.load()
         logger.info("model %s/%s: %.2fM params (%.2fM active per token), %.1f MFLOP/token, device %s, world %d",
                     cfg.model.name, cfg.model.flavor, self.total_params / 1e6, self.active_params / 1e6,
                     self.flops_per_token / 1e6, device, self.dims.world_size)
+
+    def _load_hf_weights(self, path: str) -> None:
+        """Initial weights from a HF checkpoint directory, read in full on every rank, then sharded."""
+        full = self.spec.state_dict_adapter.read_hf_state_dict(path, self.model_args, torch.float32)
+        for part in self.model_parts:
+            set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        logger.info("initial weights loaded from HF checkpoint %s", path)
 
     def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Loss of one pipeline microbatch, already scaled (the schedule runs backward on it directly)."""
@@ -188,7 +233,7 @@ class Trainer:
             loss_sum += micro_loss.detach()
         return loss_sum
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self, step: int) -> dict[str, float]:
         """One optimizer step over the global batch; returns the scalars to log."""
         cfg = self.cfg
         inputs, labels = self.train_loader.next_batch()
@@ -200,17 +245,29 @@ class Trainer:
         loss_sum = self._forward_backward(inputs, labels, global_tokens)
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, self.pp_group)
-        lr = self.lr_scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        scalars = self.spec.post_optimizer_step(self.model_parts, cfg, self.dp_group)
         loss = self._all_reduce_sum(loss_sum, with_pp=True).item() / global_tokens
-        if not torch.isfinite(grad_norm):
-            logger.warning("step has a non-finite grad norm %s", grad_norm.item())
+        lr = self.lr_schedulers[0].get_last_lr()[0]
+        finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
+        if finite:
+            for opt in self.optimizers:
+                opt.step()
+        for sched in self.lr_schedulers:
+            sched.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        if not finite:
+            self._handle_nonfinite(step, loss, grad_norm.item())
+        scalars = self.spec.post_optimizer_step(self.model_parts, cfg, self.dp_group)
         scalars.update({"loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
                         "local_tokens": float(inputs.numel())})
         return scalars
+
+    def _handle_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
+        """A non-finite loss or grad norm: the update was skipped; stop the run if the config says so."""
+        message = f"step {step}: non-finite loss ({loss}) or grad norm ({grad_norm})"
+        if self.cfg.training.on_nonfinite == "stop":
+            raise TrainingError(message + "; stopping (training.on_nonfinite = stop)")
+        logger.warning("%s; optimizer update skipped", message)
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -243,29 +300,38 @@ class Trainer:
         """Run `training.steps` steps; returns the loss of every step (and appends all scalars to `history`)."""
         cfg = self.cfg
         losses = []
-        with self.memory:
-            for step in range(1, cfg.training.steps + 1):
+        with self.memory, self.snapshots:
+            for step in range(self.start_step + 1, cfg.training.steps + 1):
                 t0 = time.perf_counter()
-                scalars = self.train_step()
+                scalars = self.train_step(step)
                 elapsed = time.perf_counter() - t0
                 mem = self.memory.step_end()
+                self.snapshots.step_end(step)
                 losses.append(scalars["loss"])
                 tokens_per_s = scalars.pop("local_tokens") / elapsed
                 scalars["throughput/tokens_per_s"] = tokens_per_s
                 scalars["throughput/tflops"] = tokens_per_s * self.flops_per_token / 1e12
                 scalars.update(MemoryMonitor.to_scalars(mem))
+                verdict = self.leak_detector.update(step, mem.allocated_bytes, mem.breakdown)
+                scalars.update(LeakDetector.to_scalars(verdict))
                 if self.val_loader is not None and step % cfg.validation.freq == 0:
                     scalars["validation/loss"] = self.validate()
                     logger.info("step %d validation loss %.4f", step, scalars["validation/loss"])
+                if cfg.parallelism.expert_parallel_comm_backend == "deepep" and self.dims.ep_enabled:
+                    from parallelisms.moe_comm.deepep import deepep_metrics
+
+                    scalars.update(deepep_metrics())  # live handles must be 0 at every step end
                 self.metrics.log(step, scalars)
                 if history is not None:
                     history.append(scalars)
                 if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
                     self.metrics.console(step, scalars["loss"], scalars["grad_norm"], tokens_per_s,
                                          mem.allocated_bytes / 2**30, mem.peak_bytes / 2**30, scalars["lr"])
+                self.checkpoint.maybe_save(step, last=step == cfg.training.steps)
         return losses
 
     def close(self) -> None:
+        self.checkpoint.finish()
         self.metrics.close()
 
 
@@ -305,6 +371,12 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (TrainingError, MemoryLeakError) as e:
+        print(f"training error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from parallelisms.moe_comm.base import LocalTokenDispatcher, TokenDispatcher
 
@@ -30,6 +31,15 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class Fp32Linear(nn.Linear):
+    """A Linear that always computes in fp32 (the router's scores decide routing; bf16 ties flip experts).
+
+    A module, not a bare F.linear, so activation checkpointing can address it by name (`moe.router.gate`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class Router(nn.Module):
     """Token-choice top-k router, DeepSeek-V3 style.
 
@@ -40,7 +50,7 @@ class Router(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate = nn.Linear(args.dim, args.n_routed_experts, bias=False)
+        self.gate = Fp32Linear(args.dim, args.n_routed_experts, bias=False)
         self.num_experts = args.n_routed_experts
         self.top_k = args.n_activated_experts
         self.score_func = args.score_func
@@ -53,7 +63,7 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return (topk_weights_TK fp32, topk_idx_TK int64, scores_TE fp32)."""
-        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        logits_TE = self.gate(x_TD)
         scores_TE = logits_TE.sigmoid() if self.score_func == "sigmoid" else logits_TE.softmax(dim=-1)
         choice_TE = scores_TE.detach()
         if expert_bias_E is not None:
@@ -77,7 +87,9 @@ class Router(nn.Module):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """Expert weights may be DTensors (sharded over EP); token counts vary per step, so compute on local shards."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    # isinstance, not hasattr(t, "to_local"): traced by torch.compile, the hasattr test missed the DTensor's
+    # method and the sharded weights reached `_grouped_mm` as DTensors
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class GroupedExperts(nn.Module):
@@ -109,7 +121,9 @@ def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E):
     # inputs there (so their gradient is exactly 0) and the outputs (so garbage never reaches a combine).
     valid_N1 = (torch.arange(x_ND.shape[0], device=x_ND.device) < offsets_E[-1]).unsqueeze(-1)
     x = torch.where(valid_N1, x_ND, 0)
-    compute_dtype = torch.bfloat16 if x.is_cuda else x.dtype  # the CUDA kernel is bf16-only
+    # The CUDA kernel is bf16-only, and so is the shape function torch.compile traces with on every device (eager
+    # CPU also runs fp32): under compile an fp32 model computes its experts in bf16 (see docs/compile.md).
+    compute_dtype = torch.bfloat16 if x.is_cuda or torch.compiler.is_compiling() else x.dtype
     x = x.to(compute_dtype)
     w1, w2, w3 = (w.to(compute_dtype).transpose(-2, -1) for w in (w1, w2, w3))
     h = F.silu(torch._grouped_mm(x, w1, offs=offsets_E)) * torch._grouped_mm(x, w3, offs=offsets_E)
@@ -128,24 +142,40 @@ def _experts_loop(x_ND, w1, w2, w3, counts_E):
     return torch.cat(outs)
 
 
+def _in_backward_recompute() -> bool:
+    """Whether this forward is an activation-checkpoint recompute, which runs inside backward.
+
+    Eager: a recompute runs inside the autograd engine (graph task id != -1). Compiled: the code being traced is
+    the forward; a checkpointed region inside it is recomputed by the compiled backward graph, which does not
+    re-apply the in-place token counting (tests/test_compile.py checks the counts). The engine query is not
+    traceable, hence the split. A compiled graph must therefore never run inside an eager checkpoint's recompute
+    with the counting in it: `parallelisms/compile.py` keeps `MoE.forward` eager whenever the block is not one
+    graph.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
 class _AttachAuxLoss(torch.autograd.Function):
     """Identity on `out` whose backward also feeds d(aux)/d(aux) = grad_scale into the aux-loss graph.
 
     This adds an auxiliary loss to the training objective without threading it through every module's return
     value (which pipeline stages could not carry). grad_scale is captured at forward time, so later changes to the
-    module attribute cannot affect a pending backward.
+    module attribute cannot affect a pending backward (the attribute's setter replaces its tensor, never writes
+    into it). grad_scale is a 0-dim tensor so that a compiled block does not specialise on its value.
     """
 
     @staticmethod
-    def forward(ctx, out, aux_loss, grad_scale: float):
-        ctx.grad_scale = grad_scale
+    def forward(ctx, out, aux_loss, grad_scale: torch.Tensor):
+        ctx.save_for_backward(grad_scale)
         ctx.aux_dtype = aux_loss.dtype
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_aux = torch.full((), ctx.grad_scale, dtype=ctx.aux_dtype, device=grad_out.device)
-        return grad_out, grad_aux, None
+        (grad_scale,) = ctx.saved_tensors
+        return grad_out, grad_scale.to(ctx.aux_dtype), None
 
 
 def sequence_balance_loss(scores_BSE: torch.Tensor, topk_idx_BSK: torch.Tensor) -> torch.Tensor:
@@ -169,6 +199,7 @@ class MoE(nn.Module):
       expert_bias [E] fp32, persistent (HF `e_score_correction_bias`): added to scores for selection only.
       tokens_per_expert [E] fp32: tokens routed to each expert since the last bias update; counted only in
       training forwards (not under no_grad / eval, and not in activation-checkpoint recompute).
+      _aux_grad_scale [] fp64: the value of `aux_loss_grad_scale`.
     """
 
     def __init__(self, args: ModelArgs, layer_id: int = 0):
@@ -183,8 +214,21 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
         self.aux_loss_coeff = 0.0
-        # set by the trainer each step to 1 / (global valid tokens), the same normalisation as the LM loss
-        self.aux_loss_grad_scale = 1.0
+        self.register_buffer("_aux_grad_scale", torch.ones((), dtype=torch.float64), persistent=False)
+
+    @property
+    def aux_loss_grad_scale(self) -> float:
+        """Set by the trainer each step to 1 / (global valid tokens), the same normalisation as the LM loss.
+
+        Held in a 0-dim tensor (float64, so the value set is the value read) rather than a Python float: the
+        value changes from step to step, and torch.compile would recompile a block for every new float constant.
+        """
+        return self._aux_grad_scale.item()
+
+    @aux_loss_grad_scale.setter
+    def aux_loss_grad_scale(self, value: float) -> None:
+        # a new tensor, not an in-place write: a backward still pending from an earlier forward keeps its scale
+        self._aux_grad_scale = torch.tensor(value, dtype=torch.float64, device=self._aux_grad_scale.device)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
@@ -192,10 +236,11 @@ class MoE(nn.Module):
         topk_weights_TK, topk_idx_TK, scores_TE = self.router(x_TD, self.expert_bias)
         counts_E = torch.zeros(self.router.num_experts, dtype=torch.int64, device=x_TD.device)
         counts_E = counts_E.scatter_add_(0, topk_idx_TK.reshape(-1), torch.ones_like(topk_idx_TK.reshape(-1)))
-        # A recompute under activation checkpointing runs inside backward (graph task id != -1): never count twice.
-        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if self.training and torch.is_grad_enabled() and not _in_backward_recompute():
             with torch.no_grad():
-                self.tokens_per_expert.add_(counts_E.float())
+                # no cast op (the add promotes): selective AC replays saved outputs by their position among the
+                # calls of the same op, and an op that runs in forward but not in recompute would shift them
+                self.tokens_per_expert.add_(counts_E)
 
         routed = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weights_TK, counts_E)
         y_ND = self.experts(routed.x_ND, routed.counts_E)
@@ -207,14 +252,16 @@ class MoE(nn.Module):
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             # sum form (x S tokens per sequence): divided by the global token count like the LM loss
             aux = self.aux_loss_coeff * S * sequence_balance_loss(scores_TE.view(B, S, -1), topk_idx_TK.view(B, S, -1))
-            out_TD = _AttachAuxLoss.apply(out_TD, aux, self.aux_loss_grad_scale)
+            out_TD = _AttachAuxLoss.apply(out_TD, aux, self._aux_grad_scale)
         return out_TD.view(B, S, D)
 
     def reset_buffers(self, device: torch.device | None = None) -> None:
-        """Zero the expert bias and the token counts (on `device`, e.g. after materialisation from meta)."""
+        """Zero the expert bias and the token counts, and reset the aux-loss gradient scale to 1 (on `device`, e.g.
+        after materialisation from meta)."""
         device = device if device is not None else self.expert_bias.device
         self.expert_bias = torch.zeros_like(self.expert_bias, device=device)
         self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert, device=device)
+        self._aux_grad_scale = torch.ones_like(self._aux_grad_scale, device=device)
 
 
 @torch.no_grad()

@@ -8,8 +8,10 @@ FSDP comes last so that its hooks wrap the checkpointed and compiled blocks.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.fsdp import apply_fsdp
 
@@ -19,6 +21,12 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job_config)
     par = job_config.parallelism
     if parallel_dims.ep_enabled:
         apply_expert_parallel(model.moe_layers(), meshes.ep, par.expert_parallel_comm_backend)
+        if par.expert_parallel_comm_backend == "deepep":
+            # one buffer per EP group, created now: never lazily inside a checkpointed region (torchtitan #2505)
+            dtype = torch.bfloat16 if job_config.training.dtype == "bfloat16" else torch.float32
+            for moe in model.moe_layers():
+                moe.dispatcher.prepare(moe.experts.w1.shape[-1], dtype)
+    apply_ac(model, job_config.activation_checkpoint)
     if parallel_dims.dp_enabled:
         reshard = {"always": True, "never": False}.get(par.fsdp_reshard_after_forward,
                                                         not parallel_dims.pp_enabled)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from parallelisms.moe_comm.base import Dispatched, TokenDispatcher
@@ -52,8 +53,9 @@ class AllToAllDispatcher(TokenDispatcher):
         w_N = topk_weights_TK.reshape(-1)[order_N]
 
         # counts_recv[r, e]: rows rank r sends to my local expert e
-        counts_recv = torch.empty_like(num_tokens_per_expert)
-        dist.all_to_all_single(counts_recv, num_tokens_per_expert, group=self.group)
+        # functional (out-of-place) collective: activation checkpointing can save its output, so a recompute
+        # never exchanges the counts again
+        counts_recv = funcol.wait_tensor(funcol.all_to_all_single(num_tokens_per_expert, None, None, self.group))
         counts_recv_RE = counts_recv.view(self.ep, E_local)
         # the one device-to-host sync of EP: the collectives need split sizes on the host
         send_recv = torch.stack([num_tokens_per_expert.view(self.ep, E_local).sum(1), counts_recv_RE.sum(1)])

@@ -33,6 +33,10 @@ class TokenDispatcher:
 
     #: number of experts that live on this rank (set by the backend from the EP degree)
     num_local_experts: int
+    #: whether torch.compile may trace dispatch and combine into the block's graph: only device work, no host
+    #: syncs (split sizes read with `.tolist()`) and no collectives. False (the safe default for a new backend)
+    #: keeps them eager between compiled pieces of the block (see parallelisms/compile.py).
+    traceable: bool = False
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                  num_tokens_per_expert: torch.Tensor) -> Dispatched:
@@ -56,7 +60,10 @@ class LocalTokenDispatcher(TokenDispatcher):
     """No communication (EP = 1): sort the (token, expert) pairs by expert and back.
 
     Everything stays on the device: a stable argsort groups rows, counts come from the router as a tensor.
+    Shapes depend only on the token count (always T*K rows), so a compiled block never recompiles for routing.
     """
+
+    traceable = True
 
     def __init__(self, num_experts: int):
         self.num_local_experts = num_experts

@@ -1,0 +1,127 @@
+"""torch.compile of the transformer blocks and of the loss (the `[compile]` section).
+
+`apply_compile(model, compile_cfg)` compiles every block of a model part in place (`Module.compile`, so parameter
+names, state_dict keys and attribute access do not change). It runs after expert parallelism and activation
+checkpointing and before FSDP, so a block may already be a `CheckpointWrapper` (compile(AC(block))) and FSDP's
+hooks, which run in `Module.__call__` outside the compiled `forward`, wrap the compiled block.
+
+Two shapes of compiled block, chosen per block by whether its token dispatcher can be traced:
+
+    dense block, or MoE block with a traceable dispatcher (`LocalTokenDispatcher`, EP = 1):
+        the whole block is one graph (`fullgraph=True`): attention, router, sort, grouped experts, combine,
+        shared experts, token counting and the aux-loss hook. Every shape is fixed by (batch, seq): the grouped
+        layout always has B*S*top_k rows, and the per-expert counts are a device tensor of offsets, so changing
+        routing never changes a shape and never recompiles.
+
+    MoE block whose dispatcher synchronises with the host (EP all-to-all: split sizes via `.tolist()`; DeepEP):
+        the block's children are compiled, each with `fullgraph=True`: attention, the router, the grouped
+        experts and the shared experts. `TransformerBlock.forward` (two RMSNorms, residual adds) and
+        `MoE.forward` (counting, dispatch, weighting, combine) stay eager, so the host sync and the collectives
+        never enter a graph, and an eager activation-checkpoint recompute never counts tokens twice. The
+        grouped experts see a different number of rows every step (sometimes none); that dimension is marked
+        dynamic (unbacked) before the first compile, so one graph serves every step.
+
+`compile_loss(loss_fn, compile_cfg)` compiles the loss on its own, with the batch and sequence dimensions dynamic
+(validation, a shorter last batch or another seq_len reuse the graph).
+
+See docs/compile.md for where graphs break and why, numerics and measurements.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+__all__ = ["apply_compile", "compile_loss", "compiled_blocks"]
+
+
+def apply_compile(model: nn.Module, compile_cfg) -> nn.Module:
+    """Compile the blocks of `model` (a DeepSeek-V3 model or pipeline stage) in place; returns `model`.
+
+    A no-op unless `compile_cfg.enable` and "model" is in `compile_cfg.components`. Call it after
+    `apply_expert_parallel` (the dispatcher decides the structure) and `apply_ac`, and before `apply_fsdp`.
+    """
+    if not (compile_cfg.enable and "model" in compile_cfg.components):
+        return model
+    # Blocks that differ only in their weights share one graph. A wrapper holding per-block Python state (the
+    # selective-AC policy object of each block) makes dynamo compile every block on its own, and past
+    # `recompile_limit` graphs per code object fullgraph=True fails: allow a training and an eval graph per block.
+    args = model.args
+    recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * (args.n_layers + args.num_mtp_layers))
+    compile_kwargs = dict(backend=compile_cfg.backend, fullgraph=True, recompile_limit=recompile_limit)
+    for block in _blocks(model):
+        inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
+        if inner.moe_enabled and not inner.moe.experts.use_grouped_mm:
+            # the per-expert loop slices by counts read on the host: under fullgraph those become unbacked sizes,
+            # on which inductor's CPU codegen fails in torch 2.13 (see docs/compile.md)
+            raise ValueError("compiling the model needs moe.use_grouped_mm = true (the per-expert loop is the "
+                             "eager reference path)")
+        if inner.moe_enabled and not inner.moe.dispatcher.traceable:
+            _compile_around_dispatcher(inner, compile_kwargs)
+        else:
+            block.compile(**compile_kwargs)
+    return model
+
+
+def compiled_blocks(model: nn.Module) -> list[str]:
+    """Names of the modules of `model` that `apply_compile` compiled (for logs and tests)."""
+    return [name for name, module in model.named_modules() if getattr(module, "_compiled_call_impl", None)]
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    blocks = list(model.layers.values())
+    if model.mtp is not None:
+        blocks += [mod.block for mod in model.mtp.layers]
+    return blocks
+
+
+def _compile_around_dispatcher(block: nn.Module, compile_kwargs: dict) -> None:
+    """Compile everything of an MoE block except the glue around its (host-synchronising) dispatcher."""
+    moe = block.moe
+    # Not the two RMSNorms: `Module.compile` compiles a module's `forward` frame, and torch's own modules live in
+    # dynamo's skip files (fullgraph=True then raises "found no compiled frames"). Wrapping them with
+    # `torch.compile(norm)` would insert `_orig_mod.` into their parameter names and checkpoints.
+    pieces = [block.attention, moe.router, moe.experts]
+    if moe.shared_experts is not None:
+        pieces.append(moe.shared_experts)
+    for piece in pieces:
+        piece.compile(**compile_kwargs)
+    moe.experts.register_forward_pre_hook(_rows_unbacked)
+
+
+@torch.compiler.disable
+def _rows_unbacked(experts: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of compiled grouped experts fed by a communicating dispatcher; runs eagerly.
+
+    The number of rows a rank receives changes every step. Marked dynamic before the first compile, one graph
+    serves every count (no recompile at step 2, when `automatic_dynamic_shapes` would notice the change).
+    Unbacked rather than `mark_dynamic`: a backed size is specialised at 0 and 1 and would compile again for a
+    rank that receives no rows or one row; nothing in the experts needs to branch on the row count.
+    """
+    torch._dynamo.decorators.mark_unbacked(args[0], 0)
+
+
+def compile_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], compile_cfg
+                 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`loss_fn(output, labels)` compiled with `fullgraph=True`, or `loss_fn` itself when the loss is not compiled.
+
+    output is [..., B, S, V] (an MTP model stacks depths in front), labels [B, S]. B and S are marked dynamic on
+    every call, so one graph serves every batch and sequence length (else each new (B, S) would compile again and
+    the recompile limit would send the loss back to eager).
+    """
+    if not (compile_cfg.enable and "loss" in compile_cfg.components):
+        return loss_fn
+    compiled = torch.compile(loss_fn, backend=compile_cfg.backend, fullgraph=True)
+
+    @functools.wraps(loss_fn)
+    def loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # maybe_: a size-1 batch (or sequence) is specialised instead of raising
+        torch._dynamo.maybe_mark_dynamic(output, [output.dim() - 3, output.dim() - 2])
+        torch._dynamo.maybe_mark_dynamic(labels, [0, 1])
+        return compiled(output, labels)
+
+    return loss

@@ -1,0 +1,156 @@
+"""Checkpointing: exact resume, reshard across layouts, atomic saves, restart after a killed rank, NaN policy."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from trainer.checkpoint import list_checkpoints
+from trainer.config import load_config
+from trainer.train import TrainingError, Trainer, run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
+        "--training.global_batch_size", "4", "--training.local_batch_size", "4", "--validation.enable", "false",
+        "--memory.track", "off", "--metrics.enable_tensorboard", "false", "--training.deterministic", "true",
+        "--checkpoint.enable", "true", "--checkpoint.interval", "5"]
+
+
+def _cfg(dump, *args):
+    return load_config(BASE + ["--job.dump_folder", str(dump), *args])
+
+
+def _model_tensors(ckpt_dir, tmp_path):
+    out = tmp_path / f"{os.path.basename(ckpt_dir)}_{len(os.listdir(tmp_path))}.pt"
+    dcp_to_torch_save(str(ckpt_dir), str(out))
+    return torch.load(out, weights_only=False)["model"]
+
+
+def test_resume_is_exact_and_data_neither_repeats_nor_skips(tmp_path, monkeypatch):
+    straight = run(_cfg(tmp_path / "straight", "--training.steps", "10"))
+    original = Trainer.train_step
+
+    def interrupted(self, step):
+        if step == 7:
+            raise KeyboardInterrupt  # Ctrl-C in step 7: the last checkpoint is step 5
+        return original(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(_cfg(tmp_path / "split", "--training.steps", "10"))
+    monkeypatch.setattr(Trainer, "train_step", original)
+    assert list_checkpoints(tmp_path / "split" / "checkpoint") == [5]
+    resumed = run(_cfg(tmp_path / "split", "--training.steps", "10"))
+    assert resumed == straight[5:]  # bit-identical, deterministic mode
+    a = _model_tensors(tmp_path / "straight" / "checkpoint" / "step-10", tmp_path)
+    b = _model_tensors(tmp_path / "split" / "checkpoint" / "step-10", tmp_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith("moe.expert_bias") for k in a)
+
+
+def test_interrupted_save_is_never_picked_and_keep_latest_k(tmp_path):
+    run(_cfg(tmp_path, "--training.steps", "10", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2"))
+    folder = tmp_path / "checkpoint"
+    assert list_checkpoints(folder) == [8, 10]
+    # a save killed half-way leaves only a .tmp folder (and a folder without metadata is not complete)
+    shutil.copytree(folder / "step-10", folder / "step-12.tmp")
+    os.makedirs(folder / "step-14")
+    assert list_checkpoints(folder) == [8, 10]
+    resumed = run(_cfg(tmp_path, "--training.steps", "11", "--checkpoint.interval", "2"))
+    assert len(resumed) == 1  # continued after step 10
+
+
+def test_model_only_last_save_in_bf16(tmp_path):
+    run(_cfg(tmp_path, "--training.steps", "2", "--checkpoint.last_save_model_only", "true",
+             "--checkpoint.export_dtype", "bfloat16"))
+    sd = _model_tensors(tmp_path / "checkpoint" / "step-2", tmp_path)
+    assert all(v.dtype == torch.bfloat16 for v in sd.values())
+
+
+def test_initial_load_from_native_checkpoint(tmp_path):
+    run(_cfg(tmp_path / "a", "--training.steps", "5"))
+    seed = str(tmp_path / "a" / "checkpoint" / "step-5")
+    straight = run(_cfg(tmp_path / "s", "--training.steps", "6", "--checkpoint.enable", "false"))
+    # fresh run starting from step-5 weights (optimizer fresh): first loss equals the loss of step 6's weights
+    loaded = run(_cfg(tmp_path / "b", "--training.steps", "1", "--checkpoint.enable", "false",
+                      "--checkpoint.initial_load_path", seed))
+    assert loaded[0] != straight[0] and loaded[0] < straight[0]
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_nonfinite_loss_policy(tmp_path, monkeypatch, policy):
+    original = Trainer._forward_backward
+
+    def poisoned(self, inputs, labels, global_tokens):
+        loss = original(self, inputs, labels, global_tokens)
+        return loss * float("nan") if self.checkpoint.train_state.step == 0 and _calls.append(1) is None \
+            and len(_calls) == 2 else loss
+
+    _calls = []
+    monkeypatch.setattr(Trainer, "_forward_backward", poisoned)
+    cfg = _cfg(tmp_path, "--training.steps", "3", "--checkpoint.enable", "false",
+               "--training.on_nonfinite", policy)
+    if policy == "stop":
+        with pytest.raises(TrainingError, match="step 2: non-finite"):
+            run(cfg)
+    else:
+        losses = run(cfg)
+        assert len(losses) == 3 and losses[1] != losses[1] and losses[2] == losses[2]
+
+
+RESHARD = ["--training.steps", "6", "--checkpoint.interval", "3", "--training.local_batch_size", "2"]
+
+
+@pytest.mark.slow
+def test_reshard_save_at_fsdp2_ep2_resume_at_fsdp4_one_rank_and_pp2(tmp_path):
+    from dist_utils import launch
+
+    reference = run(_cfg(tmp_path / "reference", *RESHARD))
+    saved = launch(2, {"save": {"args": RESHARD + ["--parallelism.expert_parallel_degree", "2"],
+                                "stop_after": 3}}, tmp_path, BASE)
+    assert [h["loss"] for h in saved["save"]] == pytest.approx(reference[:3], rel=2e-5)
+    src = tmp_path / "save" / "checkpoint" / "step-3"
+    for name in ("fsdp4", "one_rank", "pp2"):
+        shutil.copytree(src, tmp_path / name / "checkpoint" / "step-3")
+    four = launch(4, {"fsdp4": RESHARD}, tmp_path, BASE)["fsdp4"]
+    pp2 = launch(2, {"pp2": RESHARD + ["--parallelism.pipeline_parallel_degree", "2",
+                                       "--parallelism.pipeline_parallel_schedule", "GPipe"]},
+                 tmp_path, BASE)["pp2"]
+    one = run(_cfg(tmp_path / "one_rank", *RESHARD))
+    for name, losses in (("fsdp4", [h["loss"] for h in four]), ("pp2", [h["loss"] for h in pp2]), ("one", one)):
+        assert losses == pytest.approx(reference[3:], rel=2e-5), name
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path):
+    from trainer.metrics import read_scalars
+
+    args = ["--training.steps", "8", "--checkpoint.interval", "2", "--training.local_batch_size", "2",
+            "--metrics.enable_tensorboard", "true"]
+    reference = run(_cfg(tmp_path / "reference", *args))
+    dump = tmp_path / "faulty"
+    env = dict(os.environ, NGPU="2", MAX_RESTARTS="1", CONFIG_FILE="train_configs/debug_model.toml")
+    proc = subprocess.Popen(["./run_train.sh", *BASE[2:], "--job.dump_folder", str(dump), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not list_checkpoints(dump / "checkpoint") or list_checkpoints(dump / "checkpoint")[-1] < 4:
+            assert proc.poll() is None and time.time() < deadline, "run ended before the kill"
+            time.sleep(0.2)
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert workers, "no worker processes found"
+        os.kill(int(workers[-1]), signal.SIGKILL)  # a rank dies in the middle of step 5 or 6
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-4000:]
+    assert "resumed from" in output
+    losses = dict(read_scalars(str(dump / "tb"))["loss"])  # the restarted run re-logs steps 5..8
+    assert losses[8] == pytest.approx(reference[-1], rel=2e-5)

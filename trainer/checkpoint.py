@@ -1,0 +1,263 @@
+"""Distributed checkpoints (torch.distributed.checkpoint): save, resume, reshard, model-only export.
+
+Layout: `<dump_folder>/<checkpoint.folder>/step-<N>/` holds one DCP checkpoint with
+    model        every model part's state dict, under the full model's parameter names (expert bias included)
+    optimizer    every part's AdamW state, flattened and keyed by parameter name (so any layout can load it)
+    lr_scheduler, dataloader (global stream position), train_state (step, RNG)
+Names do not depend on the parallel layout, so a checkpoint saved at (fsdp=2, ep=2) loads at fsdp=4, on one
+process, or split into pipeline stages: DCP reshards.
+
+Atomicity: a checkpoint is written to `step-<N>.tmp` and renamed to `step-<N>` by rank 0 after every rank has
+finished writing. Resume only considers `step-<N>` folders with DCP metadata, so a crash mid-save (even a killed
+rank) leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+logger = logging.getLogger("trainer")
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (missing, corrupt, from another model); one-line message."""
+
+
+class ModelState(Stateful):
+    """All model parts as one state dict with the full model's names."""
+
+    def __init__(self, parts: list[torch.nn.Module]):
+        self.parts = parts
+
+    def state_dict(self):
+        merged = {}
+        for part in self.parts:
+            merged.update(get_model_state_dict(part))
+        return merged
+
+    def load_state_dict(self, state_dict):
+        for part in self.parts:
+            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+
+
+class OptimizerState(Stateful):
+    """One optimizer per model part, flattened to parameter-name keys and merged."""
+
+    def __init__(self, parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]):
+        self.parts, self.optimizers = parts, optimizers
+        self.options = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def state_dict(self):
+        merged = {}
+        for part, opt in zip(self.parts, self.optimizers):
+            merged.update(get_optimizer_state_dict(part, opt, options=self.options))
+        return merged
+
+    def load_state_dict(self, state_dict):
+        for part, opt in zip(self.parts, self.optimizers):
+            set_optimizer_state_dict(part, opt, state_dict, options=self.options)
+
+
+class ObjectState(Stateful):
+    """Objects with state_dict/load_state_dict (LR schedulers, the data loader), replicated on every rank.
+
+    Their states are stored as one opaque pickled blob each: DCP loads nested lists element-wise into the
+    *current* structure, so a list whose length changed since construction (the loader's token carry-over)
+    would silently come back empty.
+    """
+
+    def __init__(self, *objects):
+        self.objects = objects
+
+    def state_dict(self):
+        return {str(i): pickle.dumps(obj.state_dict()) for i, obj in enumerate(self.objects)}
+
+    def load_state_dict(self, state_dict):
+        for i, obj in enumerate(self.objects):
+            obj.load_state_dict(pickle.loads(state_dict[str(i)]))
+
+
+class TrainState(Stateful):
+    """The step counter and the CPU RNG state."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state_dict):
+        self.step = int(state_dict["step"])
+        torch.set_rng_state(state_dict["rng"])
+
+
+def list_checkpoints(folder: str) -> list[int]:
+    """Steps of the complete checkpoints in `folder`, ascending."""
+    if not os.path.isdir(folder):
+        return []
+    steps = []
+    for name in os.listdir(folder):
+        match = _STEP_DIR.match(name)
+        if match and os.path.isfile(os.path.join(folder, name, ".metadata")):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+class CheckpointManager:
+    """Saves every `interval` steps and at the last step, resumes from the latest complete checkpoint.
+
+    `cfg` is the `[checkpoint]` section. Everything else is the state to save; the manager never reaches into
+    the rest of the job config.
+    """
+
+    def __init__(self, cfg, dump_folder: str, model_parts, optimizers, lr_schedulers, dataloader):
+        self.cfg = cfg
+        self.dump_folder = dump_folder
+        self.folder = os.path.join(dump_folder, cfg.folder)
+        self.model = ModelState(model_parts)
+        self.train_state = TrainState()
+        self.states = {
+            "model": self.model,
+            "optimizer": OptimizerState(model_parts, optimizers),
+            "lr_scheduler": ObjectState(*lr_schedulers),
+            "dataloader": ObjectState(dataloader),
+            "train_state": self.train_state,
+        }
+        self._pending = None  # (future, tmp_dir, final_dir) of an async save
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load(self) -> int:
+        """Resume from the latest (or `load_step`) checkpoint; else load `initial_load_path` weights. Returns the
+        step to continue after (0 for a fresh run)."""
+        path = latest_checkpoint(self.cfg, self.dump_folder)
+        if path is not None:
+            self._load(self.states, path)
+            logger.info("resumed from %s (step %d)", path, self.train_state.step)
+            return self.train_state.step
+        if self.cfg.initial_load_path and not self.cfg.initial_load_in_hf:
+            self._load({"model": self.model}, self.cfg.initial_load_path)
+            logger.info("initial weights loaded from %s", self.cfg.initial_load_path)
+        return 0
+
+    @staticmethod
+    def _load(states: dict, path: str) -> None:
+        try:
+            dcp.load(states, checkpoint_id=path)
+        except Exception as e:  # DCP raises many kinds; the user needs the path and the first line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"cannot load checkpoint {path}: {first[:300]}") from None
+
+    def maybe_save(self, step: int, last: bool) -> None:
+        """Save at every `interval` steps and at the last step (model only if `last_save_model_only`)."""
+        if not self.cfg.enable or not (last or step % self.cfg.interval == 0):
+            return
+        self.train_state.step = step
+        states = self.states
+        if last and self.cfg.last_save_model_only:
+            dtype = torch.bfloat16 if self.cfg.export_dtype == "bfloat16" else torch.float32
+            states = {"model": {k: v.to(dtype) for k, v in self.model.state_dict().items()}}
+        self.finish()
+        final = os.path.join(self.folder, f"step-{step}")
+        tmp = final + ".tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(self.folder, exist_ok=True)
+        self._barrier()
+        if self.cfg.async_mode == "async" and not last:
+            self._pending = (dcp.async_save(states, checkpoint_id=tmp), tmp, final)
+        else:
+            dcp.save(states, checkpoint_id=tmp)
+            self._publish(tmp, final)
+
+    def finish(self) -> None:
+        """Wait for a pending async save and publish it (called before the next save and at the end)."""
+        if self._pending is None:
+            return
+        future, tmp, final = self._pending
+        self._pending = None
+        future.result()
+        self._publish(tmp, final)
+
+    def _publish(self, tmp: str, final: str) -> None:
+        self._barrier()  # every rank's files are written
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)  # atomic: a resume sees the whole checkpoint or none of it
+            self._purge()
+            logger.info("checkpoint saved: %s", final)
+        self._barrier()
+
+    def _purge(self) -> None:
+        k = self.cfg.keep_latest_k
+        if k > 0:
+            for step in list_checkpoints(self.folder)[:-k]:
+                shutil.rmtree(os.path.join(self.folder, f"step-{step}"), ignore_errors=True)
+
+
+def check_checkpoint(path: str, expected_shapes: dict[str, tuple[int, ...]], model_only: bool = False) -> None:
+    """Raise CheckpointError unless `path` is a complete DCP checkpoint of a model with `expected_shapes`.
+
+    Reads only metadata and file sizes, so the trainer can run it before any process group exists: a corrupt or
+    truncated checkpoint, or one from another flavor, is reported as one line before anything starts.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable or incomplete ({type(e).__name__})") from None
+    saved = metadata.state_dict_metadata
+    for fqn, shape in expected_shapes.items():
+        entry = saved.get(f"model.{fqn}")
+        if entry is None:
+            raise CheckpointError(f"checkpoint {path} has no weight {fqn}: saved from another model or flavor?")
+        if tuple(getattr(entry, "size", ())) != tuple(shape):
+            raise CheckpointError(f"checkpoint {path}: {fqn} has shape {tuple(entry.size)}, the model needs "
+                                  f"{tuple(shape)}: saved from another flavor?")
+    if not model_only and not any(key.startswith("optimizer.") for key in saved):
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state (a model-only export cannot be resumed)")
+    for item in metadata.storage_data.values():
+        file = os.path.join(path, item.relative_path)
+        if not os.path.isfile(file) or os.path.getsize(file) < item.offset + item.length:
+            raise CheckpointError(f"checkpoint {path} is truncated: {item.relative_path} is missing or too short")
+
+
+def latest_checkpoint(cfg, dump_folder: str) -> str | None:
+    """Path of the checkpoint a run with `[checkpoint]` section `cfg` would resume from, if any."""
+    if not cfg.enable:
+        return None
+    folder = os.path.join(dump_folder, cfg.folder)
+    steps = list_checkpoints(folder)
+    if not steps:
+        return None
+    step = steps[-1] if cfg.load_step == -1 else cfg.load_step
+    if step not in steps:
+        raise CheckpointError(f"checkpoint.load_step {step} not found in {folder} (have {steps})")
+    return os.path.join(folder, f"step-{step}")
