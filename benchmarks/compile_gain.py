@@ -29,7 +29,8 @@ Output: one JSON object on stdout (progress on stderr):
     step_peak_bytes      peak tensor memory of one step above what was allocated when the step began
                          (activations, gradients, temporaries), from the profiler's allocation events
                          (`profile_memory=True` sees every CPU allocation, including inside compiled code;
-                         the exact MemTracker cannot measure compiled code)
+                         the exact MemTracker cannot measure compiled code). Frees of memory allocated before
+                         the step are not reported, so it is an upper bound
     steady_peak_rss_bytes  peak resident set size of the process over the timed steps (VmHWM, reset after the
                          warm-up): everything resident, including the compiler's own memory and malloc arenas
     process_max_rss_bytes  ru_maxrss at the end: the lifetime peak, including the compile itself
@@ -64,8 +65,8 @@ SMOKE_ARGS = dict(vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layer
                   kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 SMOKE_CONFIG = ["--training.seq_len", "16", "--training.local_batch_size", "2", "--compile.backend", "eager"]
 
-VARIANT_KEYS = ("dtype", "compile", "step_time_s", "step_times_s", "step_cpu_s", "first_step_s", "compile_s", "tokens_per_s",
-                "graphs", "recompiles_after_warmup", "step_peak_bytes", "steady_peak_rss_bytes",
+VARIANT_KEYS = ("dtype", "compile", "step_time_s", "step_times_s", "step_cpu_s", "first_step_s", "compile_s",
+                "tokens_per_s", "graphs", "recompiles_after_warmup", "step_peak_bytes", "steady_peak_rss_bytes",
                 "process_max_rss_bytes", "top_ops")
 
 

@@ -56,7 +56,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 __all__ = [
     "COLLECTIVE_OPS",
@@ -72,6 +72,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# FSDP2's hooks on separately sharded experts call torch.profiler.record_function inside the checkpointed block,
+# a different number of times in forward and in the recompute (the unshard state differs). SAC counts every op
+# it sees and refuses a count mismatch, so these no-op markers are excluded from its bookkeeping, like torch's
+# own detach (torch.utils.checkpoint.SAC_IGNORED_OPS is the documented-by-code hook for that).
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 # ----------------------------------------------------------------------------------------------- the op table

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-__all__ = ["apply_compile", "compile_loss", "compiled_blocks"]
+__all__ = ["apply_compile", "compile_loss", "compiled_modules"]
 
 
 def apply_compile(model: nn.Module, compile_cfg) -> nn.Module:
@@ -67,7 +67,7 @@ def apply_compile(model: nn.Module, compile_cfg) -> nn.Module:
     return model
 
 
-def compiled_blocks(model: nn.Module) -> list[str]:
+def compiled_modules(model: nn.Module) -> list[str]:
     """Names of the modules of `model` that `apply_compile` compiled (for logs and tests)."""
     return [name for name, module in model.named_modules() if getattr(module, "_compiled_call_impl", None)]
 

@@ -118,7 +118,7 @@ def test_reshard_save_at_fsdp2_ep2_resume_at_fsdp4_one_rank_and_pp2(tmp_path):
     src = tmp_path / "save" / "checkpoint" / "step-3"
     for name in ("fsdp4", "one_rank", "pp2"):
         shutil.copytree(src, tmp_path / name / "checkpoint" / "step-3")
-    four = launch(4, {"fsdp4": RESHARD}, tmp_path, BASE)["fsdp4"]
+    four = launch(4, {"fsdp4": RESHARD + ["--training.local_batch_size", "1"]}, tmp_path, BASE)["fsdp4"]
     pp2 = launch(2, {"pp2": RESHARD + ["--parallelism.pipeline_parallel_degree", "2",
                                        "--parallelism.pipeline_parallel_schedule", "GPipe"]},
                  tmp_path, BASE)["pp2"]
@@ -131,9 +131,12 @@ def test_reshard_save_at_fsdp2_ep2_resume_at_fsdp4_one_rank_and_pp2(tmp_path):
 def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path):
     from trainer.metrics import read_scalars
 
+    from dist_utils import launch
+
     args = ["--training.steps", "8", "--checkpoint.interval", "2", "--training.local_batch_size", "2",
             "--metrics.enable_tensorboard", "true"]
-    reference = run(_cfg(tmp_path / "reference", *args))
+    # the reference is the same 2-rank layout uninterrupted: identical numerics, so the losses must match exactly
+    reference = [h["loss"] for h in launch(2, {"reference": args}, tmp_path, BASE)["reference"]]
     dump = tmp_path / "faulty"
     env = dict(os.environ, NGPU="2", MAX_RESTARTS="1", CONFIG_FILE="train_configs/debug_model.toml")
     proc = subprocess.Popen(["./run_train.sh", *BASE[2:], "--job.dump_folder", str(dump), *args], cwd=REPO, env=env,
@@ -153,4 +156,4 @@ def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path):
     assert proc.returncode == 0, output[-4000:]
     assert "resumed from" in output
     losses = dict(read_scalars(str(dump / "tb"))["loss"])  # the restarted run re-logs steps 5..8
-    assert losses[8] == pytest.approx(reference[-1], rel=2e-5)
+    assert losses[8] == pytest.approx(reference[-1], rel=1e-6)

@@ -56,6 +56,9 @@ def test_two_ranks_fsdp_and_ep(tmp_path, reference):
         "fsdp2": [],
         "fsdp2_ep2": ["--parallelism.expert_parallel_degree", "2"],
         "fsdp2_ep2_accum": ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"],
+        # activation checkpointing composes with FSDP + EP (SAC saves the all-to-alls; full AC recomputes them)
+        "fsdp2_ep2_sac": ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "selective"],
+        "fsdp2_ep2_full_ac": ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
     }, tmp_path)
     _assert_parity(results, reference)
 
@@ -89,6 +92,8 @@ def test_four_ranks_pipeline_with_fsdp_and_ep(tmp_path, reference):
         "pp2_fsdp2": PP_DP2,
         "pp2_ep2": PP_DP2 + ["--parallelism.expert_parallel_degree", "2"],
         "pp2_fsdp2_interleaved": PP_DP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+        "pp2_ep2_sac": PP_DP2 + ["--parallelism.expert_parallel_degree", "2",
+                                 "--activation_checkpoint.mode", "selective"],
     }, tmp_path)
     _assert_parity(results, reference)
 

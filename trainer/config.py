@@ -857,6 +857,12 @@ def validate_job(cfg: JobConfig, world_size: int) -> "ParallelDims":
         raise ConfigError(
             "compile.components", "empty while compile.enable is true, so nothing would compile", "model, loss"
         )
+    if cfg.compile.enable and cfg.memory.track == "exact":
+        raise ConfigError("memory.track", "exact tracking makes compiled code run eagerly (it would silently "
+                          "measure an uncompiled run)", "auto or off with compile.enable = true")
+    if cfg.compile.enable and "model" in cfg.compile.components and not cfg.moe.use_grouped_mm:
+        raise ConfigError("moe.use_grouped_mm", "the per-expert loop syncs with the host and cannot be compiled",
+                          "true with compile.components containing model")
     if not cfg.dataset.name and not cfg.dataset.path:
         raise ConfigError("dataset.name", "empty and dataset.path is empty too", "a dataset name or a dataset.path")
     # Imported here: the name tables live with the policy, and parallelisms imports this module.

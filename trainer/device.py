@@ -37,7 +37,12 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s),
+        timeout = timedelta(seconds=timeout_s)
+        store, rank_, world = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun keeps its agent's store across elastic restarts: without a per-attempt prefix, restarted ranks
+        # read the dead ranks' addresses and fail to connect (seen with gloo in torch 2.13)
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend(), store=store, rank=rank_, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     return device
 

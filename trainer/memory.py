@@ -209,7 +209,7 @@ class MemoryMonitor:
     An instance is single-use.
     """
 
-    def __init__(self, device: torch.device | str, mode: str = "auto") -> None:
+    def __init__(self, device: torch.device | str, mode: str = "auto", compiled: bool = False) -> None:
         if mode not in ("auto", "exact", "off"):
             raise ValueError(f'memory tracking mode must be "auto", "exact" or "off", got {mode!r}')
         device = torch.device(device)
@@ -219,6 +219,10 @@ class MemoryMonitor:
         self.device = device
         if mode == "auto":
             mode = "allocator" if device.type == "cuda" else "exact"
+            if compiled and mode == "exact":
+                # the exact tracker makes compiled code run eagerly: with torch.compile on CPU, nothing is tracked
+                logger.info("memory tracking off: the exact CPU tracker cannot observe compiled code")
+                mode = "off"
         self.mode = mode
         self._tracker = _StepMemTracker() if mode == "exact" else None
         self._state = "new"  # new -> entered -> exited

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from parallelisms.clip import clip_grad_norm_
+from parallelisms.compile import compile_loss
 from parallelisms.mesh import build_meshes
 from parallelisms.pipeline import build_pipeline
 from trainer import device as devices
@@ -139,7 +140,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
 
         self.model_args = prep.model_args
-        self.loss_fn = self.spec.build_loss_fn(prep.model_args)
+        self.loss_fn = compile_loss(self.spec.build_loss_fn(prep.model_args), cfg.compile)
         with torch.device("meta"):
             model = self.spec.model_cls(prep.model_args)
         for moe in model.moe_layers():
@@ -175,7 +176,7 @@ class Trainer:
         self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
                          if cfg.training.dtype == "bfloat16" and not self.dims.dp_enabled else contextlib.nullcontext())
 
-        self.memory = MemoryMonitor(device, cfg.memory.track)
+        self.memory = MemoryMonitor(device, cfg.memory.track, compiled=cfg.compile.enable)
         self.memory.track(*self.model_parts, *self.optimizers)
         self.snapshots = MemorySnapshots(self.memory, os.path.join(cfg.job.dump_folder, "memory_snapshots"),
                                          cfg.memory.snapshot_freq, cfg.memory.dump_on_leak, self.rank)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from parallelisms.activation_checkpoint import apply_ac
+from parallelisms.compile import apply_compile
 from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.fsdp import apply_fsdp
 
@@ -27,6 +28,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job_config)
             for moe in model.moe_layers():
                 moe.dispatcher.prepare(moe.experts.w1.shape[-1], dtype)
     apply_ac(model, job_config.activation_checkpoint)
+    apply_compile(model, job_config.compile)
     if parallel_dims.dp_enabled:
         reshard = {"always": True, "never": False}.get(par.fsdp_reshard_after_forward,
                                                         not parallel_dims.pp_enabled)
