@@ -1,0 +1,161 @@
+"""Bad-input sweep: every case ends with exit code 2 and one line naming the problem, before anything is written.
+
+Runs the same entry point as `run_train.sh` (`trainer.preflight`) in-process for speed; `tests/test_train.py`
+checks the real command lines (subprocess, exit code, stderr) for a few of the same cases.
+"""
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+from trainer.config import run_with_config_errors
+from trainer.preflight import _check
+
+BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
+        "--training.local_batch_size", "2", "--memory.track", "off"]
+
+
+def _tree_digest(folder) -> str:
+    h = hashlib.sha256()
+    for root, dirs, files in sorted(os.walk(folder)):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            h.update(path.encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    """A real 1-step checkpoint of the debug model (in <dump>/checkpoint/step-1)."""
+    from trainer.config import load_config
+    from trainer.train import run
+
+    dump = tmp_path_factory.mktemp("ckpt")
+    run(load_config(BASE + ["--job.dump_folder", str(dump), "--training.steps", "1", "--validation.enable", "false",
+                            "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true"]))
+    return dump
+
+
+def _copy_checkpoint(src_dump, dst_dump, mutate=None):
+    import shutil
+
+    shutil.copytree(src_dump / "checkpoint", dst_dump / "checkpoint")
+    if mutate:
+        mutate(dst_dump / "checkpoint" / "step-1")
+    return dst_dump
+
+
+def _truncate_data(ckpt):
+    data = [f for f in os.listdir(ckpt) if f.endswith(".distcp")][0]
+    with open(ckpt / data, "r+b") as f:
+        f.truncate(100)
+
+
+def _corrupt_metadata(ckpt):
+    (ckpt / ".metadata").write_bytes(b"not a pickle")
+
+
+def _hf_dir_missing_shard(tmp):
+    d = tmp / "hf"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    return str(d)
+
+
+# (id, extra args or a function of tmp_path returning args, world size, substring the one line must contain)
+CASES = [
+    ("unknown_key", ["--training.stepz", "3"], 1, "training.stepz"),
+    ("unknown_section", ["--trainingg.steps", "3"], 1, "trainingg"),
+    ("wrong_type", ["--training.steps", "ten"], 1, "training.steps"),
+    ("bad_bool", ["--training.deterministic", "maybe"], 1, "training.deterministic"),
+    ("zero_steps", ["--training.steps", "0"], 1, "training.steps"),
+    ("negative_seq_len", ["--training.seq_len", "-4"], 1, "training.seq_len"),
+    ("negative_lr", ["--optimizer.lr", "-1e-3"], 1, "optimizer.lr"),
+    ("bad_choice", ["--lr_scheduler.decay_type", "exp"], 1, "lr_scheduler.decay_type"),
+    ("degrees_vs_world", ["--parallelism.data_parallel_shard_degree", "3"], 4, "world size is 4"),
+    ("ep_not_dividing_shard", ["--parallelism.expert_parallel_degree", "3"], 4, "expert_parallel_degree"),
+    ("experts_not_divisible_by_ep", ["--parallelism.data_parallel_shard_degree", "3",
+                                     "--parallelism.expert_parallel_degree", "3"], 3, "routed experts"),
+    ("seq_len_above_max", ["--training.seq_len", "4096"], 1, "training.seq_len"),
+    ("global_batch_not_multiple", ["--training.global_batch_size", "3"], 1, "training.global_batch_size"),
+    ("unknown_flavor", ["--model.flavor", "huge"], 1, "model.flavor"),
+    ("unknown_model", ["--model.name", "llama"], 1, "model.name"),
+    ("bad_schedule", ["--parallelism.pipeline_parallel_schedule", "Zigzag"], 2, "pipeline_parallel_schedule"),
+    ("bad_ac_op", ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.save_ops", "mm,matmul"],
+     1, "save_ops"),
+    ("dualpipev_with_ac", ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                           "--parallelism.pipeline_parallel_schedule", "DualPipeV",
+                           "--activation_checkpoint.mode", "full"], 2, "activation_checkpoint.mode"),
+    ("deepep_without_ep", ["--parallelism.expert_parallel_comm_backend", "deepep"], 1,
+     "expert_parallel_comm_backend"),
+    ("compile_with_exact_memory", ["--compile.enable", "true", "--memory.track", "exact"], 1, "memory.track"),
+    ("missing_dataset_path", ["--dataset.path", "/nonexistent/data.jsonl"], 1, "/nonexistent/data.jsonl"),
+    ("missing_tokenizer", ["--tokenizer.path", "/nonexistent/tok.tiktoken"], 1, "tokenizer.path"),
+    ("corrupt_tokenizer", lambda tmp: ["--tokenizer.path", str(_write(tmp / "bad.tiktoken", "%%% not base64\n"))],
+     1, "tokenizer.path"),
+    ("missing_initial_checkpoint", ["--checkpoint.initial_load_path", "/nonexistent/ckpt"], 1, "does not exist"),
+    ("hf_dir_missing_shard", lambda tmp: ["--checkpoint.initial_load_in_hf", "true",
+                                          "--checkpoint.initial_load_path", _hf_dir_missing_shard(tmp)],
+     1, "model-00001-of-00002.safetensors"),
+    ("malformed_toml", lambda tmp: ["--job.config_file", str(_write(tmp / "bad.toml", "[training]\nsteps = = 3\n"))],
+     1, "bad.toml:2"),
+    ("missing_toml", ["--job.config_file", "/nonexistent/job.toml"], 1, "/nonexistent/job.toml"),
+]
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def _expect_one_line_exit_2(argv, world_size, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_with_config_errors(_check, ["--world-size", str(world_size), *argv])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert exc.value.code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("name, extra, world_size, needle", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(tmp_path, capsys, name, extra, world_size, needle):
+    dump = tmp_path / "dump"
+    args = extra(tmp_path) if callable(extra) else extra
+    _expect_one_line_exit_2(BASE + ["--job.dump_folder", str(dump)] + args, world_size, needle, capsys)
+    assert not dump.exists()
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (_truncate_data, "truncated"),
+    (_corrupt_metadata, "unreadable"),
+    (None, "another flavor"),
+    (None, "load_step 7 not found"),
+], ids=["truncated", "corrupt_metadata", "other_flavor", "missing_load_step"])
+def test_bad_checkpoint_leaves_it_untouched(tmp_path, capsys, good_checkpoint, mutate, needle):
+    dump = _copy_checkpoint(good_checkpoint, tmp_path / "dump", mutate)
+    before = _tree_digest(dump)
+    extra = ["--checkpoint.enable", "true"]
+    if needle == "another flavor":
+        extra += ["--model.hf_config_path", str(_write(tmp_path / "config.json", json.dumps(_other_flavor())))]
+    if needle.startswith("load_step"):
+        extra += ["--checkpoint.load_step", "7"]
+    _expect_one_line_exit_2(BASE + ["--job.dump_folder", str(dump)] + extra, 1, needle, capsys)
+    assert _tree_digest(dump) == before
+
+
+def _other_flavor() -> dict:
+    """A HF config for a debug-sized model whose MLA dims differ from the debug flavor's."""
+    from models.deepseek_v3.args import FLAVORS
+    from models.deepseek_v3.hf import hf_config_from_args
+
+    return hf_config_from_args(FLAVORS["debugmodel"].replace(kv_lora_rank=256), torch.float32)
