@@ -301,7 +301,7 @@ def test_dump_table_on_cpu_lists_categories_storages_and_modules(small_model_con
     modules = {row["module"]: row for row in table["modules"]}
     moe = modules["DeepSeekV3Model.layers.1.moe"]
     assert moe["forward_calls"] == 1 and moe["forward_retained_bytes"] > 0
-    assert moe["peak_backward_bytes"] > moe["peak_forward_bytes"] > 0
+    assert moe["peak_forward_bytes"] > 0  # per-module backward peaks are not tracked (see _ForwardOnlyModTracker)
     text = (tmp_path / "table.txt").read_text()
     assert "Parameter" in text and "layers.1.moe" in text
 
