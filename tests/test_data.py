@@ -19,13 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.data import (
-    IGNORE_INDEX,
-    ListDocuments,
-    PackedDataLoader,
-    build_dataloader,
-    count_label_tokens,
-)
+from trainer.data import ListDocuments, PackedDataLoader, build_dataloader
+from trainer.loss import IGNORE_INDEX, count_valid_tokens
 from trainer.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,17 +139,17 @@ def test_loader_argument_and_state_errors(tok):
         _loader(tok, DOCS, 4, 2).load_state_dict({"epoch": 0, "doc_index": 0, "sequences_consumed": 0})
 
 
-def test_count_label_tokens():
+def test_count_valid_tokens():
     labels = torch.tensor([[1, 2, IGNORE_INDEX], [IGNORE_INDEX, IGNORE_INDEX, 5]])
-    assert count_label_tokens(labels) == 3
-    assert count_label_tokens(torch.ones(2, 4, dtype=torch.long)) == 8
+    assert count_valid_tokens(labels) == 3
+    assert count_valid_tokens(torch.ones(2, 4, dtype=torch.long)) == 8
 
 
 def test_pydoc_train_and_validation_splits(tok):
     train = build_dataloader(_pydoc(), tok, seq_len=32, global_batch_size=4, dp_rank=1, dp_degree=2)
     val = build_dataloader(_pydoc(), tok, 32, 4, 0, 1, split_override="validation")
     inputs, labels = train.next_batch()
-    assert inputs.shape == (2, 32) and count_label_tokens(labels) == 64
+    assert inputs.shape == (2, 32) and count_valid_tokens(labels) == 64
     assert val.next_batch()[0][0, 0] == tok.bos_id
     assert len(train.source.texts) > 300 and 10 <= len(val.source.texts) < 30
     with pytest.raises(ValueError, match="not 'test'"):

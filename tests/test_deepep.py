@@ -154,25 +154,11 @@ def _check_training(train: dict, pairs: list[tuple[str, str]]) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks(tmp_path):
-    out = _launch(2, {"battery": True, "train": {
-        "ep2_alltoall": ["--parallelism.expert_parallel_degree", "2", "--memory.track", "off"],
-        "ep2_deepep": ["--parallelism.expert_parallel_degree", "2", "--memory.track", "exact",
-                       "--parallelism.expert_parallel_comm_backend", "deepep"],
-    }}, tmp_path)
-    for rank_result in out["battery"]:
-        assert all(rank_result["api"].values()), rank_result["api"]
-        _check_parity(rank_result["parity"])
-        _check_paths(rank_result["paths"])
-        _check_leak_is_caught(rank_result["leak"])
-    _check_training(out["train"], [("ep2_deepep", "ep2_alltoall")])
-
-
-@pytest.mark.slow
-def test_four_ranks(tmp_path):
-    out = _launch(4, {"battery": True, "train": {
-        "fsdp4_ep4_alltoall": ["--parallelism.expert_parallel_degree", "4", "--memory.track", "off"],
-        "fsdp4_ep4_deepep": ["--parallelism.expert_parallel_degree", "4", "--memory.track", "exact",
+@pytest.mark.parametrize("nproc, layout, ep", [(2, "ep2", "2"), (4, "fsdp4_ep4", "4")], ids=["2ranks", "4ranks"])
+def test_ranks(tmp_path, nproc, layout, ep):
+    out = _launch(nproc, {"battery": True, "train": {
+        f"{layout}_alltoall": ["--parallelism.expert_parallel_degree", ep, "--memory.track", "off"],
+        f"{layout}_deepep": ["--parallelism.expert_parallel_degree", ep, "--memory.track", "exact",
                              "--parallelism.expert_parallel_comm_backend", "deepep"],
     }}, tmp_path)
     for rank_result in out["battery"]:
@@ -180,7 +166,7 @@ def test_four_ranks(tmp_path):
         _check_parity(rank_result["parity"])
         _check_paths(rank_result["paths"])
         _check_leak_is_caught(rank_result["leak"])
-    _check_training(out["train"], [("fsdp4_ep4_deepep", "fsdp4_ep4_alltoall")])
+    _check_training(out["train"], [(f"{layout}_deepep", f"{layout}_alltoall")])
 
 
 # ----------------------------------------------------------------------------------------------- worker side

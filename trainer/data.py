@@ -26,22 +26,16 @@ import torch
 from trainer.tokenizer import Tokenizer, resolve_path
 
 __all__ = [
-    "IGNORE_INDEX",
     "PYDOC_FILES",
     "DocumentSource",
     "HFDocuments",
     "ListDocuments",
     "PackedDataLoader",
     "build_dataloader",
-    "count_label_tokens",
     "load_documents",
 ]
 
 logger = logging.getLogger(__name__)
-
-# Label value excluded from the loss (PyTorch's cross_entropy default). The packer never emits it,
-# but padding or masking added later may, so token counts must go through count_label_tokens.
-IGNORE_INDEX = -100
 
 # The shipped corpus, made by tools/make_corpus.py; split name -> file relative to the repo root.
 PYDOC_FILES = {
@@ -51,11 +45,6 @@ PYDOC_FILES = {
 
 # Local file suffix -> the `datasets` builder that reads it.
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
-
-
-def count_label_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
-    """Number of labels that count towards the loss (all except ``ignore_index``)."""
-    return int((labels != ignore_index).sum().item())
 
 
 class DocumentSource(Protocol):

@@ -114,6 +114,13 @@ FLAVORS: dict[str, ModelArgs] = {
         norm_eps=1e-6, max_seq_len=2048, n_routed_experts=8, n_shared_experts=2, n_activated_experts=3,
         score_func="softmax", route_norm=False, route_scale=1.0, q_lora_rank=0, mscale=0.70, **_V3_MLA,
     ),
+    # Sized so one CPU step takes a few seconds (benchmarks/throughput.py with train_configs/cpu_bench.toml).
+    "cpu_bench": ModelArgs(
+        vocab_size=2048, dim=512, inter_dim=1536, moe_inter_dim=384, n_layers=8, n_dense_layers=1, n_heads=8,
+        norm_eps=1e-6, max_seq_len=2048, n_routed_experts=16, n_shared_experts=2, n_activated_experts=4,
+        score_func="softmax", route_norm=False, route_scale=1.0, q_lora_rank=0, mscale=0.70,
+        kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    ),
     # DeepSeek-V2-Lite shapes (15.7B total, 2.4B active per token).
     "16B": ModelArgs(
         vocab_size=102400, dim=2048, inter_dim=10944, moe_inter_dim=1408, n_layers=27, n_dense_layers=1,

@@ -1,0 +1,253 @@
+"""Training throughput of one process against the machine's own matmul peak: tokens/s, TFLOP/s, MFU, time split.
+
+    python benchmarks/throughput.py --config train_configs/cpu_bench.toml              # 10 timed steps after 2
+    python benchmarks/throughput.py --config train_configs/debug_model.toml --training.seq_len 256 \\
+        --training.local_batch_size 4 --memory.track off --training.dtype bfloat16      # + any trainer flag
+    python benchmarks/throughput.py --smoke                                             # tiny run: checks the schema
+
+The steps are the trainer's own (`trainer.train.Trainer.train`: data loader, forward, backward, grad clipping,
+AdamW, LR schedule, MoE bias update, memory tracking as configured), in this one process: no process group, so
+communication is 0 and tokens/s is per rank. Forced for the benchmark: tensorboard, validation and checkpointing
+off, outputs in a temporary folder, `training.steps` = warm-up + timed + 1 profiled step.
+
+Output: one JSON object on stdout (the trainer's log on stderr):
+  machine     CPU model, cores, torch threads, torch version, load average before and after (other processes on
+              the machine make every number slower and noisier)
+  config      model flavor, dtype, batch, seq_len, steps, warm-up, compile, memory.track, FLOPs per token
+              (`models/deepseek_v3/flops.py`: 6 x active matmul params + causal attention), single_process
+  tokens_per_s        per rank, at the median step time
+  step_time_s         median, min, max over the timed steps; all: every timed step
+  model_tflops        tokens_per_s x FLOPs per token / 1e12
+  peak_tflops         the machine's dense matmul peak measured by this script in this process, same dtype and
+                      thread count as training: best of a few n x n x n GEMMs (n = 2048; 512 with --smoke)
+  mfu                 model_tflops / peak_tflops
+  peak_memory_bytes   the highest per-step peak of the trainer's exact tracker over the timed steps (parameters,
+                      gradients, optimizer state, activations); null unless the tracker is exact (memory.track
+                      exact, or auto on CPU)
+  time_split_s        CPU time of one profiled step (after the timed ones) by phase, and its share
+  top_ops             the ops with the most self CPU time in the profiled step
+
+Time split method: one `torch.profiler` pass (CPU activity) over one step. The benchmark labels the phases with
+`record_function` by wrapping, on this trainer instance only, the data loader's `next_batch` ("data"), the
+model's `forward` and the loss ("forward"), and `clip_grad_norm_` and the MoE bias update ("optimizer");
+torch.optim labels its own `step` and `zero_grad` ("optimizer"), and the autograd engine labels every backward
+node it runs ("backward"). Every profiled event's self CPU time goes to the phase of its innermost labelled
+ancestor; collective ops (c10d, gloo, nccl) count as "communication" wherever they run; the rest (loss
+bookkeeping, `.item()` syncs, the LR schedule, the metric logger) is "other". With intra-op threads, CPU time
+is the time of the launching thread, so the split is a split of wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+REPO = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):
+    sys.path.insert(0, str(REPO))
+
+SMOKE_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
+                "--training.local_batch_size", "2", "--memory.track", "exact"]
+# --smoke: the debug flavor cut to 2 layers at width 64, so the schema check takes seconds on a busy machine
+SMOKE_ARGS = dict(n_layers=2, dim=64, inter_dim=128, moe_inter_dim=32, n_heads=2, kv_lora_rank=16,
+                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")
+COMM_PREFIXES = ("c10d::", "gloo:", "nccl:", "record_param_comms")
+REPORT_KEYS = ("machine", "config", "tokens_per_s", "step_time_s", "model_tflops", "peak_tflops", "mfu",
+               "peak_memory_bytes", "time_split_s", "time_split_share", "top_ops")
+
+
+def measure_matmul_peak(dtype, n: int = 2048, repeats: int = 8) -> float:
+    """Dense matmul peak in TFLOP/s: the best of `repeats` timed n x n x n products (after one warm-up)."""
+    import torch
+
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # first call: oneDNN picks and caches its kernel
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e12
+
+
+def _labelled(name: str, fn):
+    """`fn` running inside a profiler label (a no-op when no profiler is active)."""
+    from torch.profiler import record_function
+
+    def wrapper(*args, **kwargs):
+        with record_function(name):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _phase_of(name: str) -> str | None:
+    """The phase an event's name opens, or None if it opens none."""
+    if name.startswith(COMM_PREFIXES):
+        return "communication"
+    if name.startswith("phase/"):
+        return name[len("phase/"):]
+    if name.startswith("autograd::engine::evaluate_function"):
+        return "backward"
+    if name.startswith("Optimizer."):
+        return "optimizer"
+    return None
+
+
+def time_split(events) -> dict[str, float]:
+    """Self CPU seconds per phase: each event counts for its innermost labelled ancestor (communication wins)."""
+    split = dict.fromkeys(PHASES, 0.0)
+    for event in events:
+        phase, node = None, event
+        while node is not None and phase != "communication":
+            own = _phase_of(node.name)
+            if own == "communication" or (own is not None and phase is None):
+                phase = own
+            node = node.cpu_parent
+        split[phase or "other"] += event.self_cpu_time_total / 1e6
+    return split
+
+
+def _instrument(trainer) -> None:
+    """Label this trainer's phases for the profiler (see the module docstring); the behaviour is unchanged."""
+    trainer.train_loader.next_batch = _labelled("phase/data", trainer.train_loader.next_batch)
+    for part in trainer.model_parts:
+        part.forward = _labelled("phase/forward", part.forward)
+    trainer.loss_fn = _labelled("phase/forward", trainer.loss_fn)
+    trainer.spec = dataclasses.replace(
+        trainer.spec, post_optimizer_step=_labelled("phase/optimizer", trainer.spec.post_optimizer_step))
+
+
+def _machine() -> dict:
+    import torch
+
+    model = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": model, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "load_average_before": os.getloadavg()}
+
+
+def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict:
+    """Train `warmup + steps + 1` steps with the trainer in this process and measure them; returns the report."""
+    import torch
+    import trainer.train as train_module
+    from torch.profiler import ProfilerActivity, profile
+    from trainer.config import load_config
+    from trainer.train import Trainer, prepare
+
+    machine = _machine()
+    total = warmup + steps + 1
+    with tempfile.TemporaryDirectory(prefix="throughput_") as out:
+        cfg = load_config(config_args + [
+            "--job.dump_folder", out, "--training.steps", str(total), "--metrics.enable_tensorboard", "false",
+            "--metrics.log_freq", str(total), "--validation.enable", "false", "--checkpoint.enable", "false"])
+        trainer = Trainer(prepare(cfg, world_size=1, rank=0), torch.device("cpu"))
+        _instrument(trainer)
+        profiled_step, step_fn, prof_box = total, trainer.train_step, []
+
+        def train_step(step: int) -> dict:
+            if step != profiled_step:
+                return step_fn(step)
+            with profile(activities=[ProfilerActivity.CPU]) as prof, \
+                    mock.patch.object(train_module, "clip_grad_norm_",
+                                      _labelled("phase/optimizer", train_module.clip_grad_norm_)):
+                scalars = step_fn(step)
+            prof_box.append(prof)
+            return scalars
+
+        trainer.train_step = train_step
+        history: list[dict] = []
+        try:
+            trainer.train(history)
+        finally:
+            trainer.close()
+
+    tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len
+    times = [tokens_per_step / h["throughput/tokens_per_s"] for h in history[warmup:warmup + steps]]
+    median = statistics.median(times)
+    tokens_per_s = tokens_per_step / median
+    model_tflops = tokens_per_s * trainer.flops_per_token / 1e12
+    dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
+    peak = measure_matmul_peak(dtype, n=gemm_n)
+
+    exact = trainer.memory.mode == "exact"
+    peak_memory = (int(max(h["memory/peak_allocated_GiB"] for h in history[warmup:warmup + steps]) * 2**30)
+                   if exact else None)
+    flavor = "hf_config" if cfg.model.hf_config_path else cfg.model.flavor
+    prof = prof_box[0]
+    split = time_split(prof.events())
+    split_total = sum(split.values())
+    rows = sorted(prof.key_averages(), key=lambda r: r.self_cpu_time_total, reverse=True)[:15]
+    machine["load_average_after"] = os.getloadavg()
+    return {
+        "machine": machine,
+        "config": {"model": f"{cfg.model.name}/{flavor}", "dtype": cfg.training.dtype,
+                   "batch": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len, "steps": steps,
+                   "warmup": warmup, "compile": cfg.compile.enable, "memory_track": trainer.memory.mode,
+                   "flops_per_token": trainer.flops_per_token, "gemm_n": gemm_n, "single_process": True},
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": {"median": median, "min": min(times), "max": max(times), "all": times},
+        "model_tflops": model_tflops,
+        "peak_tflops": peak,
+        "mfu": model_tflops / peak,
+        "peak_memory_bytes": peak_memory,
+        "time_split_s": split,
+        "time_split_share": {k: v / split_total for k, v in split.items()},
+        "top_ops": [{"name": r.key, "self_cpu_ms": round(r.self_cpu_time_total / 1e3, 3), "count": r.count}
+                    for r in rows],
+    }
+
+
+def _smoke_model_config(folder: str) -> str:
+    """Write the --smoke model as a HF config.json in `folder` (the config system's way to a custom size)."""
+    from models.deepseek_v3.args import FLAVORS
+    from models.deepseek_v3.hf import hf_config_from_args
+
+    path = os.path.join(folder, "config.json")
+    with open(path, "w") as f:
+        json.dump(hf_config_from_args(FLAVORS["debugmodel"].replace(**SMOKE_ARGS)), f)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse the flags, run the benchmark and print (and return) the JSON report."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="training TOML (as --job.config_file)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (allocator, caches, compile)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model at seq 32 x batch 2, 1 warm-up + 2 timed steps")
+    args, config_args = parser.parse_known_args(argv)
+    if args.config:
+        config_args = ["--job.config_file", args.config] + config_args
+    gemm_n = 2048
+    # the trainer's log is progress: keep stdout for the one JSON object
+    with contextlib.redirect_stdout(sys.stderr), tempfile.TemporaryDirectory(prefix="throughput_smoke_") as tmp:
+        from trainer.metrics import init_logging
+
+        if args.smoke:
+            config_args = SMOKE_CONFIG + ["--model.hf_config_path", _smoke_model_config(tmp)] + config_args
+            args.steps, args.warmup, gemm_n = 2, 1, 512
+        init_logging(0)
+        report = run(config_args, args.steps, args.warmup, gemm_n)
+    print(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
