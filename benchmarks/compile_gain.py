@@ -57,6 +57,8 @@ REPO = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
+from benchmarks.common import machine_info  # noqa: E402  (needs the repo root on sys.path)
+
 DEFAULT_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "256",
                   "--training.local_batch_size", "4"]
 # --smoke: the tiny test model; dynamo with the eager backend so the schema check takes seconds, not minutes
@@ -188,19 +190,6 @@ def run_variant(config_args: list[str], dtype: str, compiled: bool, steps: int, 
 
 # ----------------------------------------------------------------------------------------------- driver
 
-def _machine() -> dict:
-    import torch
-
-    model = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
-            "load_average_before": os.getloadavg()}
-
-
 def _spawn(variant: dict) -> dict:
     """Run one variant in a fresh interpreter with an empty inductor cache; return its JSON result."""
     with tempfile.TemporaryDirectory(prefix="compile_gain_") as cache:
@@ -235,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         config_args += SMOKE_CONFIG
         args.steps, args.warmup, dtypes = 1, 1, ["float32"]
-    report = {"machine": _machine(), "config": {}, "variants": [], "gains": {}}
+    report = {"machine": machine_info(), "config": {}, "variants": [], "gains": {}}
     from trainer.config import load_config
 
     cfg = load_config(config_args)

@@ -55,6 +55,8 @@ REPO = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
+from benchmarks.common import machine_info  # noqa: E402  (needs the repo root on sys.path)
+
 SMOKE_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
                 "--training.local_batch_size", "2", "--memory.track", "exact"]
 # --smoke: the debug flavor cut to 2 layers at width 64, so the schema check takes seconds on a busy machine
@@ -129,19 +131,6 @@ def _instrument(trainer) -> None:
         trainer.spec, post_optimizer_step=_labelled("phase/optimizer", trainer.spec.post_optimizer_step))
 
 
-def _machine() -> dict:
-    import torch
-
-    model = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {"cpu": model, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "load_average_before": os.getloadavg()}
-
-
 def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict:
     """Train `warmup + steps + 1` steps with the trainer in this process and measure them; returns the report."""
     import torch
@@ -150,7 +139,7 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict:
     from trainer.config import load_config
     from trainer.train import Trainer, prepare
 
-    machine = _machine()
+    machine = machine_info()
     total = warmup + steps + 1
     with tempfile.TemporaryDirectory(prefix="throughput_") as out:
         cfg = load_config(config_args + [
