@@ -6,6 +6,7 @@ interrupted after step k (as if Ctrl-C hit step k + 1), to test resuming. Launch
 tests group jobs per launch.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -48,23 +49,31 @@ def _run_job(spec, history):
 KEYS = ("loss", "grad_norm", "validation/loss")
 
 
-def main(jobs_path: str, out_path: str) -> None:
+@contextlib.contextmanager
+def worker_session(jobs_path: str, out_path: str, timeout_s: float = 120):
+    """Inside a torchrun worker: join the process group, load the jobs, yield (jobs, results); whatever happens,
+    rank 0 writes `results` as JSON and the process group is destroyed."""
     torch.set_num_threads(1)
-    devices.init_distributed(timeout_s=120)
+    devices.init_distributed(timeout_s=timeout_s)
     with open(jobs_path) as f:
         jobs = json.load(f)
-    results = {}
+    results: dict = {}
     try:
-        for name, args in jobs.items():
-            history = []
-            _run_job(args, history)
-            results[name] = [{k: v for k, v in h.items() if k in KEYS} for h in history]
-            dist.barrier()
+        yield jobs, results
     finally:
         if dist.get_rank() == 0:
             with open(out_path, "w") as f:
                 json.dump(results, f)
         devices.shutdown_distributed()
+
+
+def main(jobs_path: str, out_path: str) -> None:
+    with worker_session(jobs_path, out_path) as (jobs, results):
+        for name, args in jobs.items():
+            history = []
+            _run_job(args, history)
+            results[name] = [{k: v for k, v in h.items() if k in KEYS} for h in history]
+            dist.barrier()
 
 
 if __name__ == "__main__":

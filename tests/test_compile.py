@@ -199,16 +199,11 @@ def assert_compiled_around_dispatcher_like_eager(eager: dict, compiled: dict) ->
 def _worker(jobs_path: str, out_path: str) -> None:
     """torchrun entry point: train each job through `trainer.train.run`, counting compiled graphs per step."""
     import torch.distributed as dist
+    from dist_worker import worker_session
 
-    from trainer import device as devices
     from trainer.config import load_config
     from trainer.train import Trainer, run
 
-    torch.set_num_threads(1)
-    devices.init_distributed(timeout_s=600)  # a cold compile on a busy 2-core machine takes minutes
-    with open(jobs_path) as f:
-        jobs = json.load(f)
-    results: dict = {}
     current: dict = {}
     train_step = Trainer.train_step
 
@@ -219,7 +214,8 @@ def _worker(jobs_path: str, out_path: str) -> None:
         return scalars
 
     Trainer.train_step = counted_train_step
-    try:
+    # a cold compile on a busy 2-core machine takes minutes
+    with worker_session(jobs_path, out_path, timeout_s=600) as (jobs, results):
         for name, args in jobs.items():
             current = results[name] = {"graphs": []}
             history: list[dict] = []
@@ -228,11 +224,6 @@ def _worker(jobs_path: str, out_path: str) -> None:
             current["loss"] = [h["loss"] for h in history]
             current["validation/loss"] = [h["validation/loss"] for h in history if "validation/loss" in h]
             dist.barrier()
-    finally:
-        if dist.get_rank() == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f)
-        devices.shutdown_distributed()
 
 
 if __name__ == "__main__":

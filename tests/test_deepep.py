@@ -516,26 +516,14 @@ def _train(jobs: dict) -> dict:
 
 def _worker(jobs_path: str, out_path: str) -> None:
     import torch.distributed as dist
+    from dist_worker import worker_session
 
-    from trainer import device as devices
-
-    torch.set_num_threads(1)
-    devices.init_distributed(timeout_s=120)
-    with open(jobs_path) as f:
-        jobs = json.load(f)
-    out = {}
-    try:
-        rank = dist.get_rank()
+    with worker_session(jobs_path, out_path) as (jobs, out):
         if jobs.get("battery"):
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, _battery(rank))
+            dist.all_gather_object(gathered, _battery(dist.get_rank()))
             out["battery"] = gathered
         out["train"] = _train(jobs.get("train", {}))
-    finally:
-        if dist.get_rank() == 0:
-            with open(out_path, "w") as f:
-                json.dump(out, f)
-        devices.shutdown_distributed()
 
 
 if __name__ == "__main__":
