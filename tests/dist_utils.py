@@ -19,11 +19,16 @@ def launch(nproc: int, jobs: dict, tmp_path, base: list[str]) -> dict:
         extra, stop = (job, None) if isinstance(job, list) else (job["args"], job["stop_after"])
         args = base + ["--job.dump_folder", str(tmp_path / name)] + extra
         specs[name] = args if stop is None else {"args": args, "stop_after": stop}
+    return torchrun_json(nproc, os.path.join(REPO, "tests", "dist_worker.py"), specs, tmp_path)
+
+
+def torchrun_json(nproc: int, script: str, jobs: dict, tmp_path, timeout: float = 900) -> dict:
+    """Launch `script jobs.json out.json` on `nproc` gloo ranks; return what rank 0 wrote to out.json."""
     jobs_file, out_file = tmp_path / "jobs.json", tmp_path / "out.json"
-    jobs_file.write_text(json.dumps(specs))
+    jobs_file.write_text(json.dumps(jobs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(REPO, "tests", "dist_worker.py"), str(jobs_file), str(out_file)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+           script, str(jobs_file), str(out_file)]
+    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=timeout)
     assert r.returncode == 0, r.stderr[-6000:]
     return json.loads(out_file.read_text())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__":  # torchrun worker: make the repo importable before its modules
@@ -159,15 +158,10 @@ BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_l
 
 def launch(nproc: int, jobs: dict, tmp_path) -> dict:
     """Run `jobs` ({name: extra args}) in one torchrun launch of this file; rank 0's results by job name."""
+    from dist_utils import torchrun_json
+
     jobs = {name: BASE + ["--job.dump_folder", str(tmp_path / name)] + args for name, args in jobs.items()}
-    jobs_file, out_file = tmp_path / "jobs.json", tmp_path / "out.json"
-    jobs_file.write_text(json.dumps(jobs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.abspath(__file__), str(jobs_file), str(out_file)]
-    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stderr[-6000:]
-    return json.loads(out_file.read_text())
+    return torchrun_json(nproc, os.path.abspath(__file__), jobs, tmp_path)
 
 
 @pytest.mark.slow

@@ -19,9 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import json
 import os
-import subprocess
 import sys
 import time
 import weakref
@@ -101,16 +99,11 @@ def test_registry_owns_handles_until_taken_or_dropped():
 # ----------------------------------------------------------------------------------------------- multi process
 
 def _launch(nproc: int, jobs: dict, tmp_path) -> dict:
-    jobs_file, out_file = tmp_path / "jobs.json", tmp_path / "out.json"
+    from dist_utils import torchrun_json
+
     jobs = dict(jobs, train={name: TRAIN_BASE + ["--job.dump_folder", str(tmp_path / name)] + args
                              for name, args in jobs.get("train", {}).items()})
-    jobs_file.write_text(json.dumps(jobs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.abspath(__file__), str(jobs_file), str(out_file)]
-    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-6000:]
-    return json.loads(out_file.read_text())
+    return torchrun_json(nproc, os.path.abspath(__file__), jobs, tmp_path, timeout=600)
 
 
 def _check_parity(parity: dict) -> None:
