@@ -4,7 +4,8 @@
 ModuleDict keyed by the global layer id):
 
     none                          nothing changes
-    full                          every block keeps only its input and recomputes everything in backward
+    full                          every block keeps only its input and recomputes everything in backward (an EP
+                                  block also keeps its split sizes: no second host sync, see below)
     selective, granularity=layer  every `layer_freq`-th block (by global layer id) is checkpointed fully
     selective, granularity=op     per-op selective checkpointing (SAC) of every block, as data:
         save_ops                  OP_TABLE names whose outputs are saved; every other op is recomputed
@@ -20,7 +21,8 @@ Blocks are wrapped in `checkpoint_wrapper` (state_dict keys unchanged, attribute
 submodules of recompute_modules get torch's composable `checkpoint` instead, which adds hooks but no wrapper, so
 their FQNs and attributes (`moe.aux_loss_grad_scale = ...`) stay untouched.
 
-Two rules hold in every selective policy, whatever the lists say:
+Two rules hold in every selective policy, whatever the lists say (and full AC of an EP block keeps the first
+one and the integer all-to-all of the split sizes):
   * device-to-host copies (the EP split sizes' `.tolist()`, `.item()`) are saved, so recompute never syncs again;
   * collectives named in save_ops stay saved inside recomputed modules, so a module-level recompute never
     communicates again (the EP split-size exchange must not run twice).
@@ -57,6 +59,8 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
+
+from parallelisms.moe_comm.base import TokenDispatcher
 
 __all__ = [
     "COLLECTIVE_OPS",
@@ -109,9 +113,13 @@ def _off_host(args: tuple, kwargs: dict) -> bool:
 
 
 def _to_host(args: tuple, kwargs: dict) -> bool:
-    """`_to_copy(x, device=cpu)` of a tensor that is not on the CPU (`.cpu()`, `.to("cpu")`, `.tolist()`)."""
+    """`_to_copy(x, device=cpu)`: a copy into host memory (`.cpu()`, `.to("cpu")`, `.tolist()` off the CPU).
+
+    A CPU tensor's `.cpu()` dispatches nothing, so on CPU this matches only explicit copies
+    (`.to("cpu", copy=True)`, `parallelisms.moe_comm.base.host_list`): the dispatchers' syncs, as on a GPU.
+    """
     dst = kwargs.get("device")
-    return dst is not None and torch.device(dst).type == "cpu" and _off_host(args, kwargs)
+    return dst is not None and torch.device(dst).type == "cpu"
 
 
 _SDPA = "aten._scaled_dot_product"
@@ -122,8 +130,8 @@ OP_TABLE: dict[str, tuple[OpRef, ...]] = {
     "mm": (OpRef("aten.mm.default"), OpRef("aten.addmm.default"), OpRef("aten.bmm.default"),
            OpRef("aten.linear.default")),
     "grouped_mm": (OpRef("aten._grouped_mm.default"),),
-    # Fused SDPA kernels. MLA's q/k head dim differs from v's, which the CPU flash kernel rejects, so on CPU the
-    # model's attention takes the math path (bmm and softmax, covered by "mm" and "softmax").
+    # Fused SDPA kernels. MLA's q/k head dim differs from v's, which the CPU flash kernel rejects: on CPU the model
+    # pads v for flash in bf16 and takes the math path in fp32 (bmm and softmax: "mm" and "softmax").
     "attention": (OpRef(f"{_SDPA}_flash_attention_for_cpu.default"), OpRef(f"{_SDPA}_flash_attention.default"),
                   OpRef(f"{_SDPA}_efficient_attention.default"), OpRef(f"{_SDPA}_cudnn_attention.default"),
                   OpRef("aten._flash_attention_forward.default"), OpRef("aten._efficient_attention_forward.default")),
@@ -418,6 +426,30 @@ def _covering_modules(block: nn.Module, rules: Sequence[ScopeRule]) -> list[str]
     return sorted(f for f in matched if not any(f.startswith(other + ".") for other in matched))
 
 
+def _syncs_with_host(block: nn.Module) -> bool:
+    """Whether an MoE of `block` routes through a communicating dispatcher (EP), which syncs split sizes."""
+    return any(not m.dispatcher.traceable for m in block.modules()
+               if isinstance(getattr(m, "dispatcher", None), TokenDispatcher))
+
+
+def _routing_metadata_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Full AC of an EP block: recompute everything but the host copies and the integer all-to-alls.
+
+    Those are the split sizes (a few ints per rank): saving them keeps EP at one host sync per MoE layer and
+    step, where a plain full checkpoint would exchange and sync them again in backward. Token rows (floating
+    point) are recomputed, communication included, like any other activation of a fully checkpointed block.
+    """
+    if op_kind(op, args, kwargs) == "d2h_copy":
+        return CheckpointPolicy.MUST_SAVE
+    if op_kind(op, args, kwargs) == "all_to_all" and not args[0].is_floating_point():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_routing_metadata():
+    return create_selective_checkpoint_contexts(_routing_metadata_policy)
+
+
 def apply_ac(model: nn.Module, ac_cfg) -> nn.Module:
     """Apply the `[activation_checkpoint]` section `ac_cfg` to the blocks of `model.layers` in place; returns model.
 
@@ -436,7 +468,8 @@ def apply_ac(model: nn.Module, ac_cfg) -> nn.Module:
                                       "early_stop": ac_cfg.early_stop}
     if ac_cfg.mode == "full":
         for name, block in list(layers.items()):
-            layers[name] = checkpoint_wrapper(block, **wrapper_kwargs)
+            kwargs = dict(wrapper_kwargs, context_fn=_keep_routing_metadata) if _syncs_with_host(block) else {}
+            layers[name] = checkpoint_wrapper(block, **(kwargs or wrapper_kwargs))
         return model
     if ac_cfg.granularity == "layer":
         for name, block in list(layers.items()):

@@ -232,11 +232,12 @@ def test_ops_of_a_library_loaded_later_resolve_then():
     assert ref.resolve() is torch.ops.ac_test_lib.echo.default
 
 
-def test_d2h_copy_is_a_predicate_on_devices():
+def test_d2h_copy_is_any_copy_into_host_memory():
     to_copy = torch.ops.aten._to_copy.default
     on_device = torch.empty(2, device="meta")  # any non-CPU tensor
     assert op_kind(to_copy, (on_device,), {"device": torch.device("cpu")}) == "d2h_copy"
-    assert op_kind(to_copy, (torch.empty(2),), {"device": torch.device("cpu")}) is None
+    # an explicit copy of a CPU tensor into host memory (`host_list`) stands for the same sync on CPU
+    assert op_kind(to_copy, (torch.empty(2),), {"device": torch.device("cpu")}) == "d2h_copy"
     assert op_kind(to_copy, (on_device,), {"dtype": torch.float16}) is None
     assert op_kind(torch.ops.aten._local_scalar_dense.default, (on_device,), {}) == "d2h_copy"
 

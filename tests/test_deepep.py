@@ -10,6 +10,8 @@ tests/test_deepep.py jobs.json out.json` under torchrun), which runs
     and combine): live handles 0 at every step end and the exact step-end memory (MemoryMonitor, exact mode; a
     hook-free storage counter for the exception path, see `_LiveStorageBytes`) constant after the first step;
   * the same with the registry's release patched away, to show the checks catch a leak;
+  * host syncs of a 2-layer EP stack per backend and AC mode: one per MoE layer in forward, none in backward
+    (except where a recompute reruns a DeepEP dispatch), and two per layer under torch's plain full checkpoint;
   * training parity: `expert_parallel_comm_backend = "deepep"` vs `"alltoall"` through the trainer, with
     validation (the no_grad path) every step and exact memory tracking.
 """
@@ -134,6 +136,17 @@ def _check_leak_is_caught(leak: dict) -> None:
         assert all(g > 0 for g in growth[1:]), (name, allocated)
 
 
+def _check_host_syncs(syncs: dict) -> None:
+    layers = 2
+    # one sync per MoE layer in forward (the split sizes), none again in backward: the AC policies save it
+    for path in ("alltoall/none", "alltoall/full", "alltoall/sac_saved", "deepep/none", "deepep/sac_saved"):
+        assert syncs[path] == [layers, 0], (path, syncs)
+    # without the policy, full AC's recompute syncs again (the check can fail); DeepEP's sync is inside its
+    # dispatch kernel, which full AC recomputes (docs/performance.md)
+    for path in ("alltoall/full_plain", "deepep/full", "deepep/full_plain"):
+        assert syncs[path] == [layers, layers], (path, syncs)
+
+
 def _check_training(train: dict, pairs: list[tuple[str, str]]) -> None:
     for deepep, alltoall in pairs:
         got, want = train[deepep], train[alltoall]
@@ -159,6 +172,7 @@ def test_ranks(tmp_path, nproc, layout, ep):
         _check_parity(rank_result["parity"])
         _check_paths(rank_result["paths"])
         _check_leak_is_caught(rank_result["leak"])
+        _check_host_syncs(rank_result["syncs"])
     _check_training(out["train"], [(f"{layout}_deepep", f"{layout}_alltoall")])
 
 
@@ -256,7 +270,7 @@ def _ac_config(mode: str, save_deepep: bool = True, early_stop: bool = False):
     return cfg
 
 
-def _build(mesh, path: str):
+def _build(mesh, path: str, backend: str = "deepep"):
     from parallelisms.activation_checkpoint import apply_ac
     from parallelisms.expert_parallel import apply_expert_parallel
 
@@ -265,8 +279,9 @@ def _build(mesh, path: str):
     model = _Stack(args, n_layers=2)
     _init(model, 0)
     moes = [layer.moe for layer in model.layers.values()]
-    apply_expert_parallel(moes, mesh, "deepep")
-    moes[0].dispatcher.prepare(args.dim, torch.float32)  # eagerly, before tracking: not an activation
+    apply_expert_parallel(moes, mesh, backend)
+    if backend == "deepep":
+        moes[0].dispatcher.prepare(args.dim, torch.float32)  # eagerly, before tracking: not an activation
     ac = {"full": _ac_config("full"), "full_early_stop": _ac_config("full", early_stop=True),
           "sac_saved": _ac_config("selective"), "sac_recomputed": _ac_config("selective", save_deepep=False)}
     if path in ac:
@@ -310,6 +325,47 @@ def _settle() -> None:
     """
     time.sleep(0.01)
     gc.collect()
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Counts host syncs as they would happen on a GPU: copies into host memory (the all-to-all dispatcher's split
+    sizes, `.item()`), and DeepEP dispatches, which wait on the host for the received counts. A cached result
+    that selective AC hands back in recompute does not reach this mode: no sync."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from parallelisms.activation_checkpoint import op_kind
+
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if op_kind(func, args, kwargs) == "d2h_copy" or func is torch.ops.deepep.dispatch.default:
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def _host_syncs(mesh, rank: int) -> dict:
+    """Host syncs in the forward and in the backward of a 2-layer EP stack, per backend and AC mode."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    result = {}
+    for backend in ("alltoall", "deepep"):
+        for path in ("none", "full", "sac_saved", "full_plain"):
+            model, moes = _build(mesh, "none" if path == "full_plain" else path, backend)
+            if path == "full_plain":  # torch's checkpoint alone, without the split-size policy: must sync again
+                for name, block in list(model.layers.items()):
+                    model.layers[name] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            x = torch.randn(2, 16, moes[0].router.gate.weight.shape[1], generator=torch.Generator().manual_seed(rank))
+            forward, backward = _HostSyncs(), _HostSyncs()
+            with forward:
+                loss = model(x).square().mean()
+            with backward:
+                loss.backward()
+            result[f"{backend}/{path}"] = [forward.count, backward.count]
+    return result
 
 
 def _run_path(mesh, path: str, rank: int) -> dict:
@@ -459,7 +515,8 @@ def _battery(rank: int) -> dict:
     import torch.distributed as dist
 
     mesh = _ep_mesh()
-    result = {"api": _api_checks(rank), "parity": _parity(mesh, rank), "paths": {}, "leak": {}}
+    result = {"api": _api_checks(rank), "parity": _parity(mesh, rank), "syncs": _host_syncs(mesh, rank),
+              "paths": {}, "leak": {}}
     for path in PATHS:
         result["paths"][path] = _run_path(mesh, path, rank)
         dist.barrier()

@@ -370,3 +370,26 @@ def test_model_trains_a_few_steps_on_one_batch():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
+
+
+def test_bf16_attention_pads_v_for_the_flash_kernel_and_matches_the_reference():
+    """MLA's unequal head dims in bf16 on CPU: zero-padded v on the flash kernel, outputs and grads as exact SDPA."""
+    from models.deepseek_v3.model import attention
+    from parallelisms.activation_checkpoint import OpCounter
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 40, 24, generator=gen) for _ in range(2))
+    v, grad = (torch.randn(2, 3, 40, 16, generator=gen) for _ in range(2))
+    results = {}
+    for dtype in (torch.bfloat16, torch.float64):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        counter = OpCounter()
+        with counter:
+            out = attention(*leaves, 0.2, None)
+            out.backward(grad.to(dtype))
+        results[dtype] = (out, *(t.grad for t in leaves))
+        flash = counter.counts["aten._scaled_dot_product_flash_attention_for_cpu.default"]
+        assert flash == (1 if dtype == torch.bfloat16 else 0), counter.counts
+    for got, want in zip(results[torch.bfloat16], results[torch.float64]):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=3e-2 * want.abs().max().item())

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from parallelisms.moe_comm.base import Dispatched, TokenDispatcher
+from parallelisms.moe_comm.base import Dispatched, TokenDispatcher, host_list
 
 
 class AllToAllState(NamedTuple):
@@ -59,7 +59,7 @@ class AllToAllDispatcher(TokenDispatcher):
         counts_recv_RE = counts_recv.view(self.ep, E_local)
         # the one device-to-host sync of EP: the collectives need split sizes on the host
         send_recv = torch.stack([num_tokens_per_expert.view(self.ep, E_local).sum(1), counts_recv_RE.sum(1)])
-        send_splits, recv_splits = send_recv.tolist()
+        send_splits, recv_splits = host_list(send_recv)
 
         x_recv = all_to_all_single_autograd(x_ND, recv_splits, send_splits, self.group)
         w_recv = all_to_all_single_autograd(w_N.unsqueeze(-1), recv_splits, send_splits, self.group).squeeze(-1)

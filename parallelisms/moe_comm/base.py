@@ -48,6 +48,16 @@ class TokenDispatcher:
         raise NotImplementedError
 
 
+def host_list(t: torch.Tensor) -> list:
+    """`t` as a Python list through an explicit copy to host memory: the one way a dispatcher syncs with the host.
+
+    On an accelerator `.tolist()` alone would copy too; the explicit `_to_copy` makes the sync one visible op on
+    every device, CPU included, so activation checkpointing can save it ("d2h_copy": a recompute reads the saved
+    host copy and never syncs again) and tests can count syncs on CPU.
+    """
+    return t.to("cpu", copy=True).tolist()
+
+
 class LocalState(NamedTuple):
     """Permutation of a local dispatch: row n of the grouped layout is (token order[n] // K, slot order[n] % K)."""
 
