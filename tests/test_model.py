@@ -75,6 +75,16 @@ def test_router_route_norm_and_softmax():
     assert torch.allclose(w.sort(-1).values, ref_w.sort(-1).values, atol=1e-6)
 
 
+def test_router_scores_in_fp32_under_autocast():
+    r = _router(score_func="sigmoid")
+    x = torch.randn(5, TINY.dim)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w, idx, scores = r(x, None)
+    ref_w, ref_idx, ref_scores = r(x, None)
+    assert scores.dtype == torch.float32
+    assert torch.equal(scores, ref_scores) and torch.equal(idx, ref_idx) and torch.equal(w, ref_w)
+
+
 def test_router_group_limited_hand_case():
     # 8 experts in 4 groups of 2, keep 2 groups, top-2. Group scores = sum of its top-2 = sum of both.
     r = _router(n_routed_experts=8, n_activated_experts=2, n_expert_groups=4, n_limited_groups=2,
@@ -109,10 +119,11 @@ def test_router_group_max_for_v2():
 # ------------------------------------------------------------------------------------------------ experts
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_mm_matches_loop_forward_and_backward(dtype):
+@pytest.mark.parametrize("counts", [[5, 0, 7, 3], [40, 0, 33, 70]], ids=["small", "past_cpu_align"])
+def test_grouped_mm_matches_loop_forward_and_backward(dtype, counts):
     torch.manual_seed(0)
     E, D, H = 4, 16, 32
-    counts = torch.tensor([5, 0, 7, 3])  # an expert with zero tokens
+    counts = torch.tensor(counts)  # an expert with zero tokens; groups longer than bf16's CPU row alignment
     ref = GroupedExperts(D, H, E, use_grouped_mm=False)
     _randomize(ref)
     fast = GroupedExperts(D, H, E, use_grouped_mm=True)
@@ -132,17 +143,69 @@ def test_grouped_mm_matches_loop_forward_and_backward(dtype):
     assert getattr(fast, "w1").grad[1].abs().sum() == 0  # the empty expert gets no gradient
 
 
-def test_grouped_mm_padding_rows_are_masked():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_padding_rows_are_masked(dtype):
     torch.manual_seed(0)
     E, D, H = 2, 16, 16
     experts = GroupedExperts(D, H, E, use_grouped_mm=True)
     _randomize(experts)
+    experts.to(dtype)
     counts = torch.tensor([3, 2])
-    x = torch.randn(9, D, requires_grad=True)  # 4 padding rows past the last offset
+    x = torch.randn(9, D, dtype=dtype, requires_grad=True)  # 4 padding rows past the last offset
     y = experts(x, counts)
     y.backward(torch.ones_like(y))
-    assert torch.equal(y[5:], torch.zeros(4, D))
-    assert torch.equal(x.grad[5:], torch.zeros(4, D))
+    assert torch.equal(y[5:], torch.zeros(4, D, dtype=dtype))
+    assert torch.equal(x.grad[5:], torch.zeros(4, D, dtype=dtype))
+    ref = GroupedExperts(D, H, E, use_grouped_mm=False).to(dtype)
+    ref.load_state_dict(experts.state_dict())
+    torch.testing.assert_close(y[:5], ref(x[:5].detach(), counts), atol=2e-2, rtol=2e-2)
+
+
+def test_grouped_mm_under_autocast_computes_in_bf16_with_cpu_aligned_groups():
+    """fp32 weights under autocast: the experts compute in bf16 and return bf16, like autocast's matmuls
+    (`_grouped_mm` has no autocast rule of its own), on groups padded to multiples of the CPU row alignment."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from models.deepseek_v3.moe import _CPU_GROUP_ALIGN
+
+    class GroupedMmCalls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._grouped_mm.default:
+                offs = kwargs["offs"] if "offs" in kwargs else args[2]
+                self.calls.append((args[0].dtype, offs.tolist()))
+            return func(*args, **kwargs)
+
+    torch.manual_seed(0)
+    E, D, H = 4, 16, 32
+    counts = torch.tensor([40, 0, 33, 70])
+    ref = GroupedExperts(D, H, E, use_grouped_mm=False)
+    _randomize(ref)
+    fast = GroupedExperts(D, H, E, use_grouped_mm=True)
+    fast.load_state_dict(ref.state_dict())
+    x = torch.randn(int(counts.sum()), D)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y1 = ref(x1, counts)  # the loop's matmuls are autocast's
+        with GroupedMmCalls() as spy:
+            y2 = fast(x2, counts)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g.to(y2.dtype))
+    assert y2.dtype == torch.bfloat16 and fast.w1.grad.dtype == torch.float32 and x2.grad.dtype == torch.float32
+    assert len(spy.calls) == 3
+    for dtype, offsets in spy.calls:
+        assert dtype == torch.bfloat16
+        assert all(o % _CPU_GROUP_ALIGN == 0 for o in offsets), offsets
+    tol = dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(y2.float(), y1, **tol)
+    torch.testing.assert_close(x2.grad, x1.grad, **tol)
+    for name in ("w1", "w2", "w3"):
+        torch.testing.assert_close(getattr(fast, name).grad, getattr(ref, name).grad, **tol)
 
 
 def test_local_dispatch_combine_is_weighted_sum():
@@ -185,9 +248,14 @@ def test_moe_matches_token_loop():
     _randomize(moe)
     with torch.no_grad():
         moe.expert_bias.copy_(torch.randn(8) * 0.1)
-    x = torch.randn(2, 5, args.dim)
-    torch.testing.assert_close(moe(x).view(-1, args.dim), _moe_reference(moe, x.view(-1, args.dim)),
-                               atol=1e-5, rtol=1e-5)
+    x = torch.randn(2, 5, args.dim, requires_grad=True)
+    out, ref = moe(x).view(-1, args.dim), _moe_reference(moe, x.view(-1, args.dim))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # backward through dispatch, experts, routing weights and combine, against the loop's
+    g = torch.randn_like(out)
+    leaves = [x, *moe.parameters()]
+    for got, want in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves, g)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_token_counts_only_in_training_forward():
@@ -252,6 +320,48 @@ def test_aux_loss_gradient_matches_explicit_loss():
     aux = 0.1 * 4 * sequence_balance_loss(scores.view(2, 4, -1), idx.view(2, 4, -1))
     (out.sum() + 0.25 * aux).backward()
     torch.testing.assert_close(attached, moe.router.gate.weight.grad)
+
+
+# ------------------------------------------------------------------------------------------------ host syncs
+
+def _moe_step_on_fake_tensors(args: ModelArgs, dtype: torch.dtype, autocast: bool):
+    """One training forward + backward of an MoE layer on fake tensors (no values, static shapes, no ShapeEnv).
+
+    Reading a value on the host (`.item()`, `.tolist()`, `bool(t)`) raises DataDependentOutputException there, and an
+    op whose output shape depends on values (`nonzero`, boolean masks, `repeat_interleave` by counts)
+    DynamicOutputShapeException: an MoE that gets through never waits for the device.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    moe = MoE(args).to(dtype)
+    moe.aux_loss_coeff = 0.01  # the sequence-wise balance loss too
+    mode = FakeTensorMode()
+    state = {name: mode.from_tensor(t) for name, t in [*moe.named_parameters(), *moe.named_buffers()]}
+    x = mode.from_tensor(torch.randn(2, 8, args.dim, dtype=dtype)).requires_grad_()
+    with mode:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = functional_call(moe, state, (x,))
+        out.sum().backward()
+    return x, state
+
+
+# fp32 without autocast cannot run on fake tensors: `_grouped_mm`'s shape function (torch 2.13) accepts bf16 only
+@pytest.mark.parametrize("dtype,autocast", [(torch.bfloat16, False), (torch.float32, True)],
+                         ids=["bf16", "fp32_autocast_bf16"])
+def test_moe_without_ep_never_syncs_with_the_host(dtype, autocast):
+    args = TINY.replace(score_func="sigmoid", route_norm=True, n_expert_groups=4, n_limited_groups=2)
+    x, state = _moe_step_on_fake_tensors(args, dtype, autocast)
+    assert x.grad.shape == x.shape
+    assert state["experts.w1"].grad.shape == state["experts.w1"].shape
+
+
+def test_fake_tensor_check_catches_a_host_sync():
+    """The check above can fail: the per-expert loop reads the counts on the host."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    with pytest.raises(DataDependentOutputException):
+        _moe_step_on_fake_tensors(TINY.replace(use_grouped_mm=False), torch.bfloat16, False)
 
 
 # ------------------------------------------------------------------------------------------------ RoPE / YaRN / MLA

@@ -37,7 +37,9 @@ class Fp32Linear(nn.Linear):
     A module, not a bare F.linear, so activation checkpointing can address it by name (`moe.router.gate`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        # autocast would run the linear in bf16 whatever the dtype of its inputs
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float())
 
 
 class Router(nn.Module):
@@ -107,28 +109,78 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
-    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """x_ND rows grouped by expert (rows past sum(counts) are padding and come back as zeros)."""
+    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor, padded: bool = True) -> torch.Tensor:
+        """x_ND rows grouped by expert, counts_E rows each. With `padded`, x_ND may hold rows past sum(counts)
+        (padding): they come back as zeros, with zero gradient; without, it must hold exactly sum(counts) rows.
+
+        The output is in the dtype the experts computed in: x's, or bf16 under autocast, torch.compile or CUDA.
+        """
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if self.use_grouped_mm:
-            return _experts_grouped_mm(x_ND, w1, w2, w3, counts_E)
+            return _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded)
         return _experts_loop(x_ND, w1, w2, w3, counts_E)
 
 
-def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E):
+# oneDNN builds (JIT-compiles) a bf16/fp16 CPU GEMM kernel for every new row count, about 1 ms each, then caches it;
+# routing changes every expert's row count at every step, so there the groups are padded with zero rows to a
+# multiple of this: the row counts take few distinct values and hit the cache. fp32 GEMMs have no such cost.
+_CPU_GROUP_ALIGN = 32
+
+
+def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded=True):
+    """The SwiGLU experts with one `torch._grouped_mm` per projection; no host sync (offsets stay on the device).
+
+    Returns the compute dtype (no cast back to x's: the MoE's multiply by the fp32 routing weights promotes).
+    """
     offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)  # _grouped_mm wants int32 offsets
-    # Rows past the last offset are uninitialised memory in _grouped_mm's output and input-grad on CPU: zero the
-    # inputs there (so their gradient is exactly 0) and the outputs (so garbage never reaches a combine).
-    valid_N1 = (torch.arange(x_ND.shape[0], device=x_ND.device) < offsets_E[-1]).unsqueeze(-1)
-    x = torch.where(valid_N1, x_ND, 0)
+    x = x_ND
+    if padded:
+        # Rows past the last offset are uninitialised memory in _grouped_mm's output and input-grad on CPU: zero
+        # the inputs there (so their gradient is exactly 0) and the outputs (so garbage never reaches a combine).
+        valid_N1 = (torch.arange(x.shape[0], device=x.device) < offsets_E[-1]).unsqueeze(-1)
+        x = torch.where(valid_N1, x, 0)
     # The CUDA kernel is bf16-only, and so is the shape function torch.compile traces with on every device (eager
     # CPU also runs fp32): under compile an fp32 model computes its experts in bf16 (see docs/compile.md).
-    compute_dtype = torch.bfloat16 if x.is_cuda or torch.compiler.is_compiling() else x.dtype
+    # `_grouped_mm` has no autocast rule: under autocast, take autocast's dtype as its other matmuls do.
+    if x.is_cuda or torch.compiler.is_compiling():
+        compute_dtype = torch.bfloat16
+    elif torch.is_autocast_enabled(x.device.type):
+        compute_dtype = torch.get_autocast_dtype(x.device.type)
+    else:
+        compute_dtype = x.dtype
     x = x.to(compute_dtype)
     w1, w2, w3 = (w.to(compute_dtype).transpose(-2, -1) for w in (w1, w2, w3))
+    if x.device.type == "cpu" and compute_dtype in (torch.bfloat16, torch.float16):
+        out = _swiglu_row_aligned(x, w1, w2, w3, counts_E, _CPU_GROUP_ALIGN)
+    else:
+        out = _swiglu_grouped(x, w1, w2, w3, offsets_E)
+    return torch.where(valid_N1, out, 0) if padded else out
+
+
+def _swiglu_grouped(x, w1, w2, w3, offsets_E):
     h = F.silu(torch._grouped_mm(x, w1, offs=offsets_E)) * torch._grouped_mm(x, w3, offs=offsets_E)
-    out = torch._grouped_mm(h, w2, offs=offsets_E).to(x_ND.dtype)
-    return torch.where(valid_N1, out, 0)
+    return torch._grouped_mm(h, w2, offs=offsets_E)
+
+
+def _swiglu_row_aligned(x, w1, w2, w3, counts_E, align: int):
+    """`_swiglu_grouped` with each expert's rows padded with zero rows to a multiple of `align`.
+
+    The padded layout has a fixed size (every group gains at most align - 1 rows), so shapes never depend on the
+    routing. Rows go in with `index_copy_` and come out with `index_select`, whose backward passes only read and
+    write the rows of the groups: the uninitialised rows `_grouped_mm` leaves past the last group are never read.
+    """
+    N, E = x.shape[0], counts_E.shape[0]
+    ends_E = torch.cumsum(counts_E, dim=0)
+    padded_counts_E = (counts_E + align - 1) // align * align
+    padded_ends_E = torch.cumsum(padded_counts_E, dim=0)
+    shift_E = (padded_ends_E - padded_counts_E) - (ends_E - counts_E)  # padded start - start of each group
+    rows_N = torch.arange(N, device=x.device)
+    # rows past sum(counts) (zeroed padding of the input) ride along with the last expert
+    expert_N = torch.bucketize(rows_N, ends_E, right=True).clamp_(max=E - 1)
+    dest_N = rows_N + shift_E[expert_N]
+    x_P = x.new_zeros(N + E * (align - 1), x.shape[1]).index_copy_(0, dest_N, x)
+    y_P = _swiglu_grouped(x_P, w1, w2, w3, padded_ends_E.to(torch.int32))
+    return y_P.index_select(0, dest_N)
 
 
 def _experts_loop(x_ND, w1, w2, w3, counts_E):
@@ -243,8 +295,9 @@ class MoE(nn.Module):
                 self.tokens_per_expert.add_(counts_E)
 
         routed = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weights_TK, counts_E)
-        y_ND = self.experts(routed.x_ND, routed.counts_E)
-        y_ND = y_ND * routed.weights_N.unsqueeze(-1).to(y_ND.dtype)
+        y_ND = self.experts(routed.x_ND, routed.counts_E, padded=self.dispatcher.padded_rows)
+        # back in x's dtype: under autocast the experts return bf16, and bf16 * fp32 weights computes in fp32
+        y_ND = y_ND * routed.weights_N.unsqueeze(-1).to(x_TD.dtype)
         out_TD = self.dispatcher.combine(y_ND, routed.state)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)

@@ -16,7 +16,8 @@ import torch
 class Dispatched(NamedTuple):
     """What the experts of this rank receive.
 
-    x_ND: token rows grouped by local expert (expert 0's rows first); may hold padding rows past sum(counts).
+    x_ND: token rows grouped by local expert (expert 0's rows first); may hold padding rows past sum(counts)
+      if the backend's `padded_rows` says so.
     weights_N: the routing weight of each row (fp32); the MoE multiplies expert outputs by it before `combine`.
     counts_E: rows per local expert (int tensor on the device; no host sync needed to read offsets).
     state: opaque, owned by this call; pass it to `combine` once.
@@ -37,6 +38,9 @@ class TokenDispatcher:
     #: syncs (split sizes read with `.tolist()`) and no collectives. False (the safe default for a new backend)
     #: keeps them eager between compiled pieces of the block (see parallelisms/compile.py).
     traceable: bool = False
+    #: whether `dispatch` may return rows past sum(counts_E) (padding); the experts then mask those rows, which
+    #: costs a pass over the rows in forward and in backward. True is the safe default for a new backend.
+    padded_rows: bool = True
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                  num_tokens_per_expert: torch.Tensor) -> Dispatched:
@@ -59,21 +63,25 @@ def host_list(t: torch.Tensor) -> list:
 
 
 class LocalState(NamedTuple):
-    """Permutation of a local dispatch: row n of the grouped layout is (token order[n] // K, slot order[n] % K)."""
+    """How to undo a local dispatch: row n of the grouped layout came from token token_N[n]."""
 
-    order_N: torch.Tensor
+    token_N: torch.Tensor
     num_tokens: int
-    top_k: int
 
 
 class LocalTokenDispatcher(TokenDispatcher):
     """No communication (EP = 1): sort the (token, expert) pairs by expert and back.
 
     Everything stays on the device: a stable argsort groups rows, counts come from the router as a tensor.
-    Shapes depend only on the token count (always T*K rows), so a compiled block never recompiles for routing.
+    Shapes depend only on the token count (always T*K rows, no padding), so a compiled block never recompiles for
+    routing. Rows go out with `index_select` and come back with `index_add_`, each the other's backward: both
+    directions are one pass over the rows, with no inverse permutation (plain indexing, `x[idx]`, would run
+    `index_put_` with accumulation in backward, several times slower on CPU). Under torch.compile, deterministic
+    mode keeps `index_add_` on the eager kernel, which adds in row order.
     """
 
     traceable = True
+    padded_rows = False
 
     def __init__(self, num_experts: int):
         self.num_local_experts = num_experts
@@ -81,12 +89,11 @@ class LocalTokenDispatcher(TokenDispatcher):
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK, num_tokens_per_expert):
         T, K = topk_idx_TK.shape
         order_N = torch.argsort(topk_idx_TK.reshape(-1), stable=True)
-        x_ND = x_TD[order_N // K]
-        weights_N = topk_weights_TK.reshape(-1)[order_N]
-        return Dispatched(x_ND, weights_N, num_tokens_per_expert, LocalState(order_N, T, K))
+        token_N = order_N // K
+        x_ND = x_TD.index_select(0, token_N)
+        weights_N = topk_weights_TK.reshape(-1).index_select(0, order_N)
+        return Dispatched(x_ND, weights_N, num_tokens_per_expert, LocalState(token_N, T))
 
     def combine(self, y_ND, state: LocalState):
-        inverse_N = torch.empty_like(state.order_N)
-        inverse_N[state.order_N] = torch.arange(state.order_N.numel(), device=state.order_N.device)
-        y_TKD = y_ND[inverse_N].view(state.num_tokens, state.top_k, -1)
-        return y_TKD.sum(dim=1)
+        # each token's top-k rows summed in expert order; in place on a fresh tensor (out of place would copy it)
+        return y_ND.new_zeros(state.num_tokens, y_ND.shape[1]).index_add_(0, state.token_N, y_ND)
