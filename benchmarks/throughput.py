@@ -1,30 +1,45 @@
-"""Training throughput of one process against the machine's own matmul peak: tokens/s, TFLOP/s, MFU, time split.
+"""Training throughput of one process (or of each rank under torchrun) against the machine's own matmul peak:
+tokens/s, TFLOP/s, MFU, time split (communication included).
 
     python benchmarks/throughput.py --config train_configs/cpu_bench.toml              # 10 timed steps after 2
     python benchmarks/throughput.py --config train_configs/debug_model.toml --training.seq_len 256 \\
         --training.local_batch_size 4 --memory.track off --training.dtype bfloat16      # + any trainer flag
     python benchmarks/throughput.py --smoke                                             # tiny run: checks the schema
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/throughput.py \\
+        --smoke --parallelism.expert_parallel_degree 2                                  # 2 gloo ranks, EP 2
 
 The steps are the trainer's own (`trainer.train.Trainer.train`: data loader, forward, backward, grad clipping,
-AdamW, LR schedule, MoE bias update, memory tracking as configured), in this one process: no process group, so
-communication is 0 and tokens/s is per rank. Forced for the benchmark: tensorboard, validation and checkpointing
-off, outputs in a temporary folder, `training.steps` = warm-up + timed + 1 profiled step.
+AdamW, LR schedule, MoE bias update, memory tracking as configured). Run directly, it is one process without a
+process group, so communication is 0. Under torchrun (RANK in the environment) every rank joins the process group
+(`trainer.device.init_distributed`) and trains its part of the job with the degrees of `[parallelism]`, exactly as
+`trainer.train` would; only rank 0 prints the report, and the other ranks' logs go to stderr. Forced for the
+benchmark: tensorboard, validation and checkpointing off, outputs in a temporary folder, `training.steps` =
+warm-up + timed + 1 profiled step.
 
-Output: one JSON object on stdout (the trainer's log on stderr):
+Output: one JSON object on stdout (the trainer's log on stderr); under torchrun the numbers are rank 0's unless
+said otherwise:
   machine     CPU model, cores, torch threads, torch version, load average before and after (other processes on
               the machine make every number slower and noisier)
-  config      model flavor, dtype, batch, seq_len, steps, warm-up, compile, memory.track, FLOPs per token
-              (`models/deepseek_v3/flops.py`: 6 x active matmul params + causal attention), single_process
-  tokens_per_s        per rank, at the median step time
+  config      model flavor, dtype, batch (per rank), seq_len, steps, warm-up, compile, memory.track, FLOPs per
+              token (`models/deepseek_v3/flops.py`: 6 x active matmul params + causal attention), gemm_n,
+              single_process (false under torchrun), world_size, parallel_degrees {dp_replicate, dp_shard, ep, pp}
+  tokens_per_s            per rank, at the median step time
+  aggregate_tokens_per_s  the job's tokens/s: the sum over ranks of each rank's tokens/s at its own median step
+                          time (divided by pp, since the stages of a pipeline share their tokens); gathered with
+                          a collective after the timed steps. Equals tokens_per_s in one process
+  rank_step_time_s        every rank's median step time, by rank
   step_time_s         median, min, max over the timed steps; all: every timed step
   model_tflops        tokens_per_s x FLOPs per token / 1e12
   peak_tflops         the machine's dense matmul peak measured by this script in this process, same dtype and
-                      thread count as training: best of a few n x n x n GEMMs (n = 2048; 512 with --smoke)
+                      thread count as training: best of a few n x n x n GEMMs (n = 2048; 512 with --smoke); under
+                      torchrun every rank measures at the same time, so it is one process's peak while the other
+                      ranks load the other cores, as in training
   mfu                 model_tflops / peak_tflops
   peak_memory_bytes   the highest per-step peak of the trainer's exact tracker over the timed steps (parameters,
                       gradients, optimizer state, activations); null unless the tracker is exact (memory.track
                       exact, or auto on CPU)
-  time_split_s        CPU time of one profiled step (after the timed ones) by phase, and its share
+  time_split_s        CPU time of one profiled step (after the timed ones) by phase: data, forward, backward,
+  time_split_share    optimizer, communication, other; and each phase's share of the step
   top_ops             the ops with the most self CPU time in the profiled step
 
 Time split method: one `torch.profiler` pass (CPU activity) over one step. The benchmark labels the phases with
@@ -32,9 +47,14 @@ Time split method: one `torch.profiler` pass (CPU activity) over one step. The b
 model's `forward` and the loss ("forward"), and `clip_grad_norm_` and the MoE bias update ("optimizer");
 torch.optim labels its own `step` and `zero_grad` ("optimizer"), and the autograd engine labels every backward
 node it runs ("backward"). Every profiled event's self CPU time goes to the phase of its innermost labelled
-ancestor; collective ops (c10d, gloo, nccl) count as "communication" wherever they run; the rest (loss
-bookkeeping, `.item()` syncs, the LR schedule, the metric logger) is "other". With intra-op threads, CPU time
-is the time of the launching thread, so the split is a split of wall time.
+ancestor; "communication" wins wherever it runs: collective ops (`c10d::*`, the functional collectives
+`_c10d_functional::*` with their `wait_tensor`, which is where the expert-parallel all-to-all blocks, and
+`gloo:*`/`nccl:*`), and `Work.wait()`, which the benchmark labels during the profiled step because the blocking
+part of FSDP's all-gather and reduce-scatter and of the trainer's all-reduces is a Python call to it, invisible to
+the profiler otherwise (gloo launches return at once; the copies run on gloo's worker threads). The rest (loss
+bookkeeping, `.item()` syncs, the LR schedule, the metric logger) is "other". Only the thread that runs the step
+counts (not gloo's workers, which copy while it waits; intra-op threads record no events), so the split is a split
+of its wall time.
 """
 
 from __future__ import annotations
@@ -63,9 +83,7 @@ SMOKE_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--traini
 SMOKE_ARGS = dict(n_layers=2, dim=64, inter_dim=128, moe_inter_dim=32, n_heads=2, kv_lora_rank=16,
                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")
-COMM_PREFIXES = ("c10d::", "gloo:", "nccl:", "record_param_comms")
-REPORT_KEYS = ("machine", "config", "tokens_per_s", "step_time_s", "model_tflops", "peak_tflops", "mfu",
-               "peak_memory_bytes", "time_split_s", "time_split_share", "top_ops")
+COMM_PREFIXES = ("c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param_comms")
 
 
 def measure_matmul_peak(dtype, n: int = 2048, repeats: int = 8) -> float:
@@ -108,9 +126,14 @@ def _phase_of(name: str) -> str | None:
 
 
 def time_split(events) -> dict[str, float]:
-    """Self CPU seconds per phase: each event counts for its innermost labelled ancestor (communication wins)."""
+    """Self CPU seconds per phase: each event counts for its innermost labelled ancestor (communication wins).
+    Only the thread that ran the step counts: gloo's worker threads copy while it waits, so their time is not
+    step time (the wait is)."""
     split = dict.fromkeys(PHASES, 0.0)
+    step_thread = next(e.thread for e in events if e.name.startswith("phase/"))
     for event in events:
+        if event.thread != step_thread:
+            continue
         phase, node = None, event
         while node is not None and phase != "communication":
             own = _phase_of(node.name)
@@ -131,48 +154,72 @@ def _instrument(trainer) -> None:
         trainer.spec, post_optimizer_step=_labelled("phase/optimizer", trainer.spec.post_optimizer_step))
 
 
-def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict:
-    """Train `warmup + steps + 1` steps with the trainer in this process and measure them; returns the report."""
+def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict | None:
+    """Train `warmup + steps + 1` steps with the trainer in this process (one rank of the job under torchrun)
+    and measure them; returns the report on rank 0, None on the other ranks."""
     import torch
+    import torch.distributed as dist
     import trainer.train as train_module
     from torch.profiler import ProfilerActivity, profile
+    from trainer import device as devices
     from trainer.config import load_config
     from trainer.train import Trainer, prepare
 
     machine = machine_info()
     total = warmup + steps + 1
+    distributed = "RANK" in os.environ
+    world_size, rank = devices.world_size_from_env(), int(os.environ.get("RANK", 0))
     with tempfile.TemporaryDirectory(prefix="throughput_") as out:
         cfg = load_config(config_args + [
             "--job.dump_folder", out, "--training.steps", str(total), "--metrics.enable_tensorboard", "false",
             "--metrics.log_freq", str(total), "--validation.enable", "false", "--checkpoint.enable", "false"])
-        trainer = Trainer(prepare(cfg, world_size=1, rank=0), torch.device("cpu"))
-        _instrument(trainer)
-        profiled_step, step_fn, prof_box = total, trainer.train_step, []
-
-        def train_step(step: int) -> dict:
-            if step != profiled_step:
-                return step_fn(step)
-            with profile(activities=[ProfilerActivity.CPU]) as prof, \
-                    mock.patch.object(train_module, "clip_grad_norm_",
-                                      _labelled("phase/optimizer", train_module.clip_grad_norm_)):
-                scalars = step_fn(step)
-            prof_box.append(prof)
-            return scalars
-
-        trainer.train_step = train_step
-        history: list[dict] = []
+        # as trainer.train.run: every check on the config before the process group exists
+        prep = prepare(cfg, world_size, rank)
+        device = devices.init_distributed() if distributed else torch.device("cpu")
         try:
-            trainer.train(history)
-        finally:
-            trainer.close()
+            trainer = Trainer(prep, device)
+            _instrument(trainer)
+            profiled_step, step_fn, prof_box = total, trainer.train_step, []
 
-    tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len
-    times = [tokens_per_step / h["throughput/tokens_per_s"] for h in history[warmup:warmup + steps]]
-    median = statistics.median(times)
+            def train_step(step: int) -> dict:
+                if step != profiled_step:
+                    return step_fn(step)
+                with profile(activities=[ProfilerActivity.CPU]) as prof, \
+                        mock.patch.object(train_module, "clip_grad_norm_",
+                                          _labelled("phase/optimizer", train_module.clip_grad_norm_)), \
+                        mock.patch.object(dist.Work, "wait", _labelled("phase/communication", dist.Work.wait)):
+                    scalars = step_fn(step)
+                prof_box.append(prof)
+                return scalars
+
+            trainer.train_step = train_step
+            history: list[dict] = []
+            try:
+                trainer.train(history)
+            finally:
+                trainer.close()
+
+            tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len
+            times = [tokens_per_step / h["throughput/tokens_per_s"] for h in history[warmup:warmup + steps]]
+            median = statistics.median(times)
+            rank_medians = [median]
+            if distributed:  # after the timed steps, so the gather does not slow them
+                rank_medians = [None] * world_size
+                dist.all_gather_object(rank_medians, median)
+            dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
+            # every rank right after the gather: one process's peak while the others load the other cores, as in
+            # training (and as in independent runs sharing the machine)
+            peak = measure_matmul_peak(dtype, n=gemm_n)
+        finally:
+            devices.shutdown_distributed()
+    if rank != 0:
+        return None
+
     tokens_per_s = tokens_per_step / median
     model_tflops = tokens_per_s * trainer.flops_per_token / 1e12
-    dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
-    peak = measure_matmul_peak(dtype, n=gemm_n)
+    dims = trainer.dims
+    # the stages of one pipeline feed the same tokens: count them once
+    aggregate = sum(tokens_per_step / t for t in rank_medians) / dims.pp
 
     exact = trainer.memory.mode == "exact"
     peak_memory = (int(max(h["memory/peak_allocated_GiB"] for h in history[warmup:warmup + steps]) * 2**30)
@@ -188,8 +235,13 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict:
         "config": {"model": f"{cfg.model.name}/{flavor}", "dtype": cfg.training.dtype,
                    "batch": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len, "steps": steps,
                    "warmup": warmup, "compile": cfg.compile.enable, "memory_track": trainer.memory.mode,
-                   "flops_per_token": trainer.flops_per_token, "gemm_n": gemm_n, "single_process": True},
+                   "flops_per_token": trainer.flops_per_token, "gemm_n": gemm_n, "single_process": not distributed,
+                   "world_size": dims.world_size,
+                   "parallel_degrees": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "ep": dims.ep,
+                                        "pp": dims.pp}},
         "tokens_per_s": tokens_per_s,
+        "aggregate_tokens_per_s": aggregate,
+        "rank_step_time_s": rank_medians,
         "step_time_s": {"median": median, "min": min(times), "max": max(times), "all": times},
         "model_tflops": model_tflops,
         "peak_tflops": peak,
@@ -213,8 +265,9 @@ def _smoke_model_config(folder: str) -> str:
     return path
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Parse the flags, run the benchmark and print (and return) the JSON report."""
+def main(argv: list[str] | None = None) -> dict | None:
+    """Parse the flags, run the benchmark and print (and return) the JSON report; under torchrun only rank 0
+    prints and returns it (None elsewhere)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="training TOML (as --job.config_file)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after the warm-up)")
@@ -232,9 +285,10 @@ def main(argv: list[str] | None = None) -> dict:
         if args.smoke:
             config_args = SMOKE_CONFIG + ["--model.hf_config_path", _smoke_model_config(tmp)] + config_args
             args.steps, args.warmup, gemm_n = 2, 1, 512
-        init_logging(0)
+        init_logging(int(os.environ.get("RANK", 0)))
         report = run(config_args, args.steps, args.warmup, gemm_n)
-    print(json.dumps(report, indent=1))
+    if report is not None:
+        print(json.dumps(report, indent=1))
     return report
 
 
