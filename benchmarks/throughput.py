@@ -41,6 +41,12 @@ said otherwise:
   time_split_s        CPU time of one profiled step (after the timed ones) by phase: data, forward, backward,
   time_split_share    optimizer, communication, other; and each phase's share of the step
   top_ops             the ops with the most self CPU time in the profiled step
+  time_budget         the profiled step against the measured peak (deepseek_v3 models): for "matmul" (mm, addmm,
+                      grouped_mm: the parameter matmuls) and "attention" (bmm and softmax of SDPA's math path, or
+                      the flash kernels), measured_s (self CPU time), at_peak_s (their model FLOPs / peak) and
+                      efficiency (at_peak_s / measured_s); rest_s (every other op and the Python between ops);
+                      step_at_peak_s (all model FLOPs / peak) and profiled_step_s (the step thread's total). It
+                      says where MFU is lost: GEMMs below peak, attention, or work with no model FLOPs
 
 Time split method: one `torch.profiler` pass (CPU activity) over one step. The benchmark labels the phases with
 `record_function` by wrapping, on this trainer instance only, the data loader's `next_batch` ("data"), the
@@ -83,6 +89,11 @@ SMOKE_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--traini
 SMOKE_ARGS = dict(n_layers=2, dim=64, inter_dim=128, moe_inter_dim=32, n_heads=2, kv_lora_rank=16,
                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::_grouped_mm"}
+# the model's only bmm is SDPA's math path (q.k^T and p.v, forward and backward)
+ATTENTION_OPS = {"aten::bmm", "aten::_softmax", "aten::_safe_softmax", "aten::_softmax_backward_data",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
 COMM_PREFIXES = ("c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param_comms")
 
 
@@ -144,6 +155,39 @@ def time_split(events) -> dict[str, float]:
     return split
 
 
+def time_budget(events, cfg, tokens: int, peak_tflops: float) -> dict | None:
+    """Matmul and attention self time of the step thread against their model FLOPs at the measured peak."""
+    from models.deepseek_v3.flops import attention_flops_per_token, count_params
+    from trainer.registry import get_model_spec
+
+    if cfg.model.name != "deepseek_v3":
+        return None
+    args = get_model_spec(cfg.model.name).build_args(cfg)
+    counts = count_params(args)
+    flops = {"matmul": 6.0 * (counts.active - counts.embedding) * tokens,
+             "attention": attention_flops_per_token(args, cfg.training.seq_len) * tokens}
+    step_thread = next(e.thread for e in events if e.name.startswith("phase/"))
+    measured = dict.fromkeys(flops, 0.0)
+    total = 0.0
+    for event in events:
+        if event.thread != step_thread:
+            continue
+        seconds = event.self_cpu_time_total / 1e6
+        total += seconds
+        kind = "matmul" if event.name in MATMUL_OPS else "attention" if event.name in ATTENTION_OPS else None
+        if kind:
+            measured[kind] += seconds
+    budget = {}
+    for kind, f in flops.items():
+        at_peak = f / (peak_tflops * 1e12)
+        budget[kind] = {"measured_s": measured[kind], "at_peak_s": at_peak,
+                        "efficiency": at_peak / measured[kind] if measured[kind] else None}
+    budget["rest_s"] = total - sum(measured.values())
+    budget["step_at_peak_s"] = sum(flops.values()) / (peak_tflops * 1e12)
+    budget["profiled_step_s"] = total
+    return budget
+
+
 def _instrument(trainer) -> None:
     """Label this trainer's phases for the profiler (see the module docstring); the behaviour is unchanged."""
     trainer.train_loader.next_batch = _labelled("phase/data", trainer.train_loader.next_batch)
@@ -199,7 +243,11 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict | 
             finally:
                 trainer.close()
 
-            tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len
+            # this rank's tokens per optimizer step, gradient accumulation included
+            global_batch = cfg.training.global_batch_size
+            per_rank_batch = (global_batch // trainer.dims.dp if global_batch != -1
+                              else cfg.training.local_batch_size)
+            tokens_per_step = per_rank_batch * cfg.training.seq_len
             times = [tokens_per_step / h["throughput/tokens_per_s"] for h in history[warmup:warmup + steps]]
             median = statistics.median(times)
             rank_medians = [median]
@@ -249,6 +297,7 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict | 
         "peak_memory_bytes": peak_memory,
         "time_split_s": split,
         "time_split_share": {k: v / split_total for k, v in split.items()},
+        "time_budget": time_budget(prof.events(), cfg, tokens_per_step, peak),
         "top_ops": [{"name": r.key, "self_cpu_ms": round(r.self_cpu_time_total / 1e3, 3), "count": r.count}
                     for r in rows],
     }

@@ -30,7 +30,7 @@ def check_throughput_report(report: dict, world_size: int, ep: int, memory_track
     """The schema of one throughput.py --smoke report (of rank 0 under torchrun)."""
     assert set(report) == {"machine", "config", "tokens_per_s", "aggregate_tokens_per_s", "rank_step_time_s",
                            "step_time_s", "model_tflops", "peak_tflops", "mfu", "peak_memory_bytes", "time_split_s",
-                           "time_split_share", "top_ops"}
+                           "time_split_share", "time_budget", "top_ops"}
     assert MACHINE_KEYS <= set(report["machine"])
     config = report["config"]
     assert config["single_process"] is (world_size == 1)
@@ -52,6 +52,13 @@ def check_throughput_report(report: dict, world_size: int, ep: int, memory_track
     assert report["time_split_s"]["forward"] > 0 and report["time_split_s"]["backward"] > 0
     assert abs(sum(report["time_split_share"].values()) - 1) < 1e-6
     assert report["top_ops"] and all(set(op) == {"name", "self_cpu_ms", "count"} for op in report["top_ops"])
+    budget = report["time_budget"]
+    assert set(budget) == {"matmul", "attention", "rest_s", "step_at_peak_s", "profiled_step_s"}
+    for kind in ("matmul", "attention"):
+        assert set(budget[kind]) == {"measured_s", "at_peak_s", "efficiency"}
+        assert budget[kind]["measured_s"] > 0 and budget[kind]["at_peak_s"] > 0, kind
+    assert budget["step_at_peak_s"] == pytest.approx(budget["matmul"]["at_peak_s"] + budget["attention"]["at_peak_s"])
+    assert 0 <= budget["rest_s"] < budget["profiled_step_s"]
 
 
 def test_smoke_report_schema():

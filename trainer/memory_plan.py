@@ -53,7 +53,8 @@ class Shape:
     B: int
     S: int
     act: int  # bytes per activation element (2 for bf16, 4 for fp32)
-    sdpa: str  # "math" (CPU: fp32 [B, H, S, S] scores and probabilities) or "flash" (no score matrix)
+    sdpa: str  # "math" (CPU fp32: [B, H, S, S] scores and probabilities), "flash" (no score matrix) or
+    # "flash_padded_v" (CPU bf16: flash with v zero-padded to the q/k head dim, models/deepseek_v3/model.attention)
     ep: int
 
     @property
@@ -100,10 +101,14 @@ def block_items(args, moe: bool, sh: Shape, aux_loss: bool = False) -> list[Item
                   Item("sdpa.v", bhs * args.v_head_dim * _F32, True, "other"),
                   Item("sdpa.out", bhs * args.v_head_dim * _F32, False, "mm")]
     else:
-        # fused kernels keep q, k (the concatenated copies), the output and the fp32 log-sum-exp
+        # fused kernels keep q, k (the concatenated copies), the output and the fp32 log-sum-exp; with padded v
+        # also the padded copy, and the output has q/k's head dim
+        dv = args.qk_head_dim if sh.sdpa == "flash_padded_v" else args.v_head_dim
+        if sh.sdpa == "flash_padded_v":
+            items.append(Item("sdpa.v_padded", bhs * dv * a, True, "other"))
         items += [Item("sdpa.q", bhs * args.qk_head_dim * a, True, "other"),
                   Item("sdpa.k", bhs * args.qk_head_dim * a, True, "other"),
-                  Item("sdpa.out", bhs * args.v_head_dim * a, True, "attention"),
+                  Item("sdpa.out", bhs * dv * a, True, "attention"),
                   Item("sdpa.lse", bhs * _F32, True, "attention")]
     items.append(Item("wo.input", T * H * args.v_head_dim * a, True, "other"))
     items.append(Item("wo", T * D * a, False, "mm"))
@@ -216,7 +221,8 @@ def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
         layer_ids = list(range(args.n_layers))
     par = cfg.parallelism
     B = par.pipeline_parallel_microbatch_size if dims.pp_enabled else cfg.training.local_batch_size
-    sh = Shape(B, cfg.training.seq_len, a, "math" if device == "cpu" else "flash", dims.ep)
+    sdpa = "flash" if device == "cuda" else ("flash_padded_v" if bf16 else "math")
+    sh = Shape(B, cfg.training.seq_len, a, sdpa, dims.ep)
     T, D, V = sh.T, args.dim, args.vocab_size
     ac = cfg.activation_checkpoint
     save_ops = set(ac.save_ops) | {"d2h_copy"}

@@ -58,6 +58,12 @@ def count_params(a: ModelArgs) -> ParamCounts:
     return ParamCounts(total=total, active=total - inactive, embedding=embedding, routed_experts=routed, mtp=mtp)
 
 
+def attention_flops_per_token(a: ModelArgs, seq_len: int, causal: bool = True) -> float:
+    """The attention-score part of `training_flops_per_token`: q.k^T and p.v, forward + backward."""
+    attention = 6 * a.n_heads * (a.qk_head_dim + a.v_head_dim) * seq_len * (a.n_layers + a.num_mtp_layers)
+    return attention / 2 if causal else attention
+
+
 def training_flops_per_token(a: ModelArgs, seq_len: int, causal: bool = True) -> float:
     """Model FLOPs of forward + backward per token: 6 x active matmul parameters + attention scores.
 
@@ -65,9 +71,4 @@ def training_flops_per_token(a: ModelArgs, seq_len: int, causal: bool = True) ->
     forward (q.k^T and p.v); with a causal mask only half of the score matrix is useful work.
     """
     counts = count_params(a)
-    matmul_params = counts.active - counts.embedding
-    n_attn_layers = a.n_layers + a.num_mtp_layers
-    attention = 6 * a.n_heads * (a.qk_head_dim + a.v_head_dim) * seq_len * n_attn_layers
-    if causal:
-        attention /= 2
-    return 6.0 * matmul_params + attention
+    return 6.0 * (counts.active - counts.embedding) + attention_flops_per_token(a, seq_len, causal)
