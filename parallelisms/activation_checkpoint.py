@@ -439,14 +439,14 @@ def _routing_metadata_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     step, where a plain full checkpoint would exchange and sync them again in backward. Token rows (floating
     point) are recomputed, communication included, like any other activation of a fully checkpointed block.
     """
-    if op_kind(op, args, kwargs) == "d2h_copy":
-        return CheckpointPolicy.MUST_SAVE
-    if op_kind(op, args, kwargs) == "all_to_all" and not args[0].is_floating_point():
+    kind = op_kind(op, args, kwargs)
+    if kind == "d2h_copy" or (kind == "all_to_all" and not args[0].is_floating_point()):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _keep_routing_metadata():
+    """context_fn of full AC for EP blocks (see `_routing_metadata_policy`)."""
     return create_selective_checkpoint_contexts(_routing_metadata_policy)
 
 
@@ -468,8 +468,8 @@ def apply_ac(model: nn.Module, ac_cfg) -> nn.Module:
                                       "early_stop": ac_cfg.early_stop}
     if ac_cfg.mode == "full":
         for name, block in list(layers.items()):
-            kwargs = dict(wrapper_kwargs, context_fn=_keep_routing_metadata) if _syncs_with_host(block) else {}
-            layers[name] = checkpoint_wrapper(block, **(kwargs or wrapper_kwargs))
+            extra = {"context_fn": _keep_routing_metadata} if _syncs_with_host(block) else {}
+            layers[name] = checkpoint_wrapper(block, **wrapper_kwargs, **extra)
         return model
     if ac_cfg.granularity == "layer":
         for name, block in list(layers.items()):
