@@ -18,3 +18,14 @@ def machine_info() -> dict:
                 break
     return {"cpu": model, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "load_average_before": os.getloadavg()}
+
+
+def labelled(name: str, fn):
+    """`fn` running inside a profiler label (a no-op when no profiler is active)."""
+    from torch.profiler import record_function
+
+    def wrapper(*args, **kwargs):
+        with record_function(name):
+            return fn(*args, **kwargs)
+
+    return wrapper

@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import machine_info  # noqa: E402  (needs the repo root on sys.path)
+from benchmarks.common import labelled, machine_info  # noqa: E402  (needs the repo root on sys.path)
 
 PIECES = ("router", "dispatch", "experts", "combine", "shared_experts", "other")
 DTYPES = ("float32", "bfloat16")
@@ -113,16 +113,6 @@ def time_pair(moe, dense, batches: list, dtype: str, warmup: int) -> tuple[list[
     return times[id(moe)], times[id(dense)]
 
 
-def _labelled(name: str, fn):
-    from torch.profiler import record_function
-
-    def wrapper(*args, **kwargs):
-        with record_function(name):
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
 @contextlib.contextmanager
 def _instrumented(moe):
     """Label the MoE's pieces for the profiler on this instance only (behaviour unchanged); undone on exit."""
@@ -132,7 +122,7 @@ def _instrumented(moe):
     if moe.shared_experts is not None:
         targets.append((moe.shared_experts, "forward", "shared_experts"))
     for obj, attr, piece in targets:
-        setattr(obj, attr, _labelled(f"piece/{piece}", getattr(obj, attr)))
+        setattr(obj, attr, labelled(f"piece/{piece}", getattr(obj, attr)))
     try:
         yield
     finally:

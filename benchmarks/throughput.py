@@ -81,7 +81,7 @@ REPO = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import machine_info  # noqa: E402  (needs the repo root on sys.path)
+from benchmarks.common import labelled, machine_info  # noqa: E402  (needs the repo root on sys.path)
 
 SMOKE_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
                 "--training.local_batch_size", "2", "--memory.track", "exact"]
@@ -112,17 +112,6 @@ def measure_matmul_peak(dtype, n: int = 2048, repeats: int = 8) -> float:
     return 2 * n**3 / best / 1e12
 
 
-def _labelled(name: str, fn):
-    """`fn` running inside a profiler label (a no-op when no profiler is active)."""
-    from torch.profiler import record_function
-
-    def wrapper(*args, **kwargs):
-        with record_function(name):
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
 def _phase_of(name: str) -> str | None:
     """The phase an event's name opens, or None if it opens none."""
     if name.startswith(COMM_PREFIXES):
@@ -136,15 +125,18 @@ def _phase_of(name: str) -> str | None:
     return None
 
 
-def time_split(events) -> dict[str, float]:
-    """Self CPU seconds per phase: each event counts for its innermost labelled ancestor (communication wins).
-    Only the thread that ran the step counts: gloo's worker threads copy while it waits, so their time is not
+def _step_thread_events(events) -> list:
+    """The events of the thread that ran the step: gloo's worker threads copy while it waits, so their time is not
     step time (the wait is)."""
-    split = dict.fromkeys(PHASES, 0.0)
     step_thread = next(e.thread for e in events if e.name.startswith("phase/"))
-    for event in events:
-        if event.thread != step_thread:
-            continue
+    return [e for e in events if e.thread == step_thread]
+
+
+def time_split(events) -> dict[str, float]:
+    """Self CPU seconds per phase of the step thread's events: each event counts for its innermost labelled
+    ancestor (communication wins)."""
+    split = dict.fromkeys(PHASES, 0.0)
+    for event in _step_thread_events(events):
         phase, node = None, event
         while node is not None and phase != "communication":
             own = _phase_of(node.name)
@@ -166,12 +158,9 @@ def time_budget(events, cfg, tokens: int, peak_tflops: float) -> dict | None:
     counts = count_params(args)
     flops = {"matmul": 6.0 * (counts.active - counts.embedding) * tokens,
              "attention": attention_flops_per_token(args, cfg.training.seq_len) * tokens}
-    step_thread = next(e.thread for e in events if e.name.startswith("phase/"))
     measured = dict.fromkeys(flops, 0.0)
     total = 0.0
-    for event in events:
-        if event.thread != step_thread:
-            continue
+    for event in _step_thread_events(events):
         seconds = event.self_cpu_time_total / 1e6
         total += seconds
         kind = "matmul" if event.name in MATMUL_OPS else "attention" if event.name in ATTENTION_OPS else None
@@ -190,12 +179,12 @@ def time_budget(events, cfg, tokens: int, peak_tflops: float) -> dict | None:
 
 def _instrument(trainer) -> None:
     """Label this trainer's phases for the profiler (see the module docstring); the behaviour is unchanged."""
-    trainer.train_loader.next_batch = _labelled("phase/data", trainer.train_loader.next_batch)
+    trainer.train_loader.next_batch = labelled("phase/data", trainer.train_loader.next_batch)
     for part in trainer.model_parts:
-        part.forward = _labelled("phase/forward", part.forward)
-    trainer.loss_fn = _labelled("phase/forward", trainer.loss_fn)
+        part.forward = labelled("phase/forward", part.forward)
+    trainer.loss_fn = labelled("phase/forward", trainer.loss_fn)
     trainer.spec = dataclasses.replace(
-        trainer.spec, post_optimizer_step=_labelled("phase/optimizer", trainer.spec.post_optimizer_step))
+        trainer.spec, post_optimizer_step=labelled("phase/optimizer", trainer.spec.post_optimizer_step))
 
 
 def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict | None:
@@ -230,8 +219,8 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict | 
                     return step_fn(step)
                 with profile(activities=[ProfilerActivity.CPU]) as prof, \
                         mock.patch.object(train_module, "clip_grad_norm_",
-                                          _labelled("phase/optimizer", train_module.clip_grad_norm_)), \
-                        mock.patch.object(dist.Work, "wait", _labelled("phase/communication", dist.Work.wait)):
+                                          labelled("phase/optimizer", train_module.clip_grad_norm_)), \
+                        mock.patch.object(dist.Work, "wait", labelled("phase/communication", dist.Work.wait)):
                     scalars = step_fn(step)
                 prof_box.append(prof)
                 return scalars
