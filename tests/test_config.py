@@ -249,6 +249,29 @@ def test_toml_errors(tmp_path, toml, key, expected):
     assert "allowed:" in message
 
 
+@pytest.mark.parametrize(
+    "toml, line, key",
+    [
+        ("# a comment\n[training]\nsteps = 3\n\n  stepz = 4   # the typo\n", 5, "training.stepz"),
+        ("[training]\nsteps = 3\n[optimizer]\n'lr' = 1e-3\n\"betaa\" = 0.9\n", 5, "optimizer.betaa"),
+        ("[optimizer]\nlr = 1e-3\ntraining.stepz = 4\n", 3, "optimizer.training"),
+        ("training.steps = 3\ntraining . stepz = 4\n", 2, "training.stepz"),
+        ("[job]\ndescription = \"x\"\ntraining = { steps = 3, stepz = 4 }\n", 3, "job.training"),
+        ("training = { steps = 3, stepz = 4 }\n", 1, "training.stepz"),
+        ("[training]\nsteps = 3\n\n[trainings]\nsteps = 1\n", 4, "trainings"),
+        ("[training]\nsteps = \"ten\"\nseq_len = 64\n", 2, "training.steps"),
+        ("[training]\nseq_len = 64\n[training.sub]\nx = 1\n", 3, "training.sub"),
+        # an escaped quoted key is not matched by the line scan: the message still names the file
+        ('[training]\n"step\\u007a" = 1\n', None, "training.stepz"),
+    ],
+)
+def test_toml_error_names_file_and_line(tmp_path, toml, line, key):
+    path = write_toml(tmp_path, toml)
+    message = config_error(["--job.config_file", path])
+    where = f"{path}:{line}" if line else path
+    assert message.startswith(f"config error: {where}: {key}: "), message
+
+
 def test_missing_toml(tmp_path):
     message = config_error(["--job.config_file", str(tmp_path / "nope.toml")])
     assert "job.config_file" in message and "file not found" in message and "nope.toml" in message

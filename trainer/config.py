@@ -20,6 +20,7 @@ Typical use in an entry point::
 """
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -47,14 +48,16 @@ class ConfigError(Exception):
     """A user-facing config mistake, rendered as one line: `config error: <key>: <problem>; allowed: ...`.
 
     `key` names what is wrong (a dotted config key, or `file:line:col` for malformed TOML), `problem` says
-    what, and `allowed` (optional) says what would be accepted instead.
+    what, and `allowed` (optional) says what would be accepted instead. `where` (optional, `file:line`) is the
+    place in a TOML file that set the key; it is printed in front of the key.
     """
 
-    def __init__(self, key: str, problem: str, allowed: str | None = None):
+    def __init__(self, key: str, problem: str, allowed: str | None = None, where: str | None = None):
         self.key = key
         self.problem = problem
         self.allowed = allowed
-        line = f"config error: {key}: {problem}"
+        self.where = where
+        line = f"config error: {where + ': ' if where else ''}{key}: {problem}"
         if allowed:
             line += f"; allowed: {allowed}"
         # One line on purpose: run_with_config_errors promises a single stderr line, and a TOML decoder
@@ -697,7 +700,8 @@ def _decode_error_position(err: Exception, text: str) -> tuple[int, int]:
     return len(lines), len(lines[-1]) + 1
 
 
-def _read_toml(path: str) -> dict[str, Any]:
+def _read_toml(path: str) -> tuple[dict[str, Any], str]:
+    """The parsed TOML document at `path` and its text (kept to point later errors at a line)."""
     try:
         with open(path, "rb") as fh:
             data = fh.read()
@@ -710,7 +714,7 @@ def _read_toml(path: str) -> dict[str, Any]:
     except UnicodeDecodeError as err:
         raise ConfigError(path, f"malformed TOML: not UTF-8 at byte {err.start}") from None
     try:
-        return tomllib.loads(text)
+        return tomllib.loads(text), text
     except tomllib.TOMLDecodeError as err:
         lineno, colno = _decode_error_position(err, text)
         # Strip the position suffix the 3.11 decoder appends; it is now in the key as file:line:col.
@@ -720,20 +724,71 @@ def _read_toml(path: str) -> dict[str, Any]:
         ) from None
 
 
-def _toml_values(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Check a parsed TOML document against the schema and return `{section: {key: typed value}}`."""
+_TOML_KEY_PART = r"""[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*'"""
+_TOML_DOTTED_KEY = rf"(?:{_TOML_KEY_PART})(?:\s*\.\s*(?:{_TOML_KEY_PART}))*"
+_TOML_TABLE_LINE = re.compile(rf"\s*\[\s*({_TOML_DOTTED_KEY})\s*\]")
+_TOML_KEY_LINE = re.compile(rf"\s*({_TOML_DOTTED_KEY})\s*=")
+
+
+def _key_parts(dotted: str) -> tuple[str, ...]:
+    return tuple(part.strip("\"'") for part in re.findall(_TOML_KEY_PART, dotted))
+
+
+def _toml_key_line(text: str, key_path: tuple[str, ...]) -> int | None:
+    """1-based line of the TOML `text` that sets `key_path` (`(section,)` or `(section, key)`), or None.
+
+    tomllib reports no positions for keys, so the lines are scanned: a table header sets the current table (and
+    is the line of a section or key it starts with), and a key line matches when its full dotted path and
+    `key_path` agree as far as both go (`training = { ... }` sets training.steps, `optimizer.training.x = 1` sets
+    optimizer.training). Lines inside multi-line strings are not told apart; the first match wins.
+    """
+    table: tuple[str, ...] = ()
+    for lineno, line in enumerate(text.split("\n"), 1):
+        header = _TOML_TABLE_LINE.match(line)
+        if header:
+            table = _key_parts(header.group(1))
+            if table[:len(key_path)] == key_path:
+                return lineno
+            continue
+        key = _TOML_KEY_LINE.match(line)
+        if key:
+            full = table + _key_parts(key.group(1))
+            depth = min(len(full), len(key_path))
+            if full[:depth] == key_path[:depth]:
+                return lineno
+    return None
+
+
+@contextlib.contextmanager
+def _located(path: str, text: str, key_path: tuple[str, ...]):
+    """Re-raise a ConfigError about `key_path` with the file and line of the TOML text that set it."""
+    try:
+        yield
+    except ConfigError as err:
+        line = _toml_key_line(text, key_path)
+        where = f"{path}:{line}" if line is not None else path
+        raise ConfigError(err.key, err.problem, err.allowed, where=where) from None
+
+
+def _toml_values(doc: dict[str, Any], path: str, text: str) -> dict[str, dict[str, Any]]:
+    """Check a parsed TOML document against the schema and return `{section: {key: typed value}}`.
+
+    A mistake is reported with the file `path` and the line of `text` where the offending key is set.
+    """
     values: dict[str, dict[str, Any]] = {}
     for section, table in doc.items():
-        if section not in _sections():
-            raise _unknown_section(section)
-        if not isinstance(table, dict):
-            raise ConfigError(section, f"expected a table [{section}], got {table!r}", f"[{section}] with keys")
+        with _located(path, text, (section,)):
+            if section not in _sections():
+                raise _unknown_section(section)
+            if not isinstance(table, dict):
+                raise ConfigError(section, f"expected a table [{section}], got {table!r}", f"[{section}] with keys")
         for name, value in table.items():
             key = f"{section}.{name}"
-            f = _lookup(section, name)
-            if f.metadata.get("cli_only"):
-                raise ConfigError(key, "can only be set on the command line", f"--{key} on the command line")
-            values.setdefault(section, {})[name] = _coerce(key, f, value)
+            with _located(path, text, (section, name)):
+                f = _lookup(section, name)
+                if f.metadata.get("cli_only"):
+                    raise ConfigError(key, "can only be set on the command line", f"--{key} on the command line")
+                values.setdefault(section, {})[name] = _coerce(key, f, value)
     return values
 
 
@@ -801,7 +856,10 @@ def load_config(argv: Sequence[str]) -> JobConfig:
     for section, name, value in overrides:
         if (section, name) == ("job", "config_file"):
             config_file = value
-    values = _toml_values(_read_toml(config_file)) if config_file else {}
+    values: dict[str, dict[str, Any]] = {}
+    if config_file:
+        doc, text = _read_toml(config_file)
+        values = _toml_values(doc, config_file, text)
     for section, name, value in overrides:
         values.setdefault(section, {})[name] = value
     cfg = JobConfig(**{section: cls(**values.get(section, {})) for section, cls in _sections().items()})
