@@ -18,7 +18,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 
 # Bad config or input fails here, before any process group: one line, exit code 2, nothing written.
-# With --parallelism.dry_run true it prints the per-rank plan for NGPU * NNODES ranks and exits 10: stop there.
+# With --job.print_config true it prints the merged config, with --parallelism.dry_run true the per-rank plan for
+# NGPU * NNODES ranks; both exit 10: stop there.
 rc=0
 python -m trainer.preflight --world-size "$(( NGPU * NNODES ))" --job.config_file "$CONFIG_FILE" "$@" || rc=$?
 if [ "$rc" -eq 10 ]; then exit 0; elif [ "$rc" -ne 0 ]; then exit "$rc"; fi

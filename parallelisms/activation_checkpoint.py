@@ -46,6 +46,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
 import logging
 import threading
 import warnings
@@ -73,6 +74,7 @@ __all__ = [
     "apply_ac",
     "op_kind",
     "resolve_ops",
+    "save_ops_warning",
 ]
 
 logger = logging.getLogger(__name__)
@@ -217,14 +219,8 @@ def op_kind(op: torch._ops.OpOverload, args: tuple = (), kwargs: dict | None = N
     return _kind_in(_kind_index(), op, args, kwargs or {})
 
 
-def ac_config_problem(ac_cfg, compile_model: bool = False) -> tuple[str, str, str] | None:
-    """The first mistake in the AC section's names as (key, problem, allowed values), or None.
-
-    Checks what needs no model: op names, Megatron module names, that recompute_modules comes with the selective
-    per-op mode, and not with a compiled model (`compile_model`): torch.compile cannot trace the hook-based
-    composable checkpoint those names use. Names in force_recompute_modules depend on the model; `apply_ac` looks
-    them up.
-    """
+def _name_problem(ac_cfg) -> tuple[str, str, str] | None:
+    """An unknown name in save_ops or recompute_modules as (key, problem, allowed values), or None."""
     for name in ac_cfg.save_ops:
         if name not in OP_TABLE:
             return "activation_checkpoint.save_ops", f"unknown op name {name!r}", ", ".join(OP_TABLE)
@@ -232,14 +228,95 @@ def ac_config_problem(ac_cfg, compile_model: bool = False) -> tuple[str, str, st
         if name not in RECOMPUTE_MODULES:
             return ("activation_checkpoint.recompute_modules", f"unknown module name {name!r}",
                     ", ".join(RECOMPUTE_MODULES))
-    if ac_cfg.recompute_modules and (ac_cfg.mode, ac_cfg.granularity) != ("selective", "op"):
-        return ("activation_checkpoint.recompute_modules",
-                f"set, but mode={ac_cfg.mode!r} granularity={ac_cfg.granularity!r} would ignore it",
-                '[] unless mode = "selective" and granularity = "op"')
+    return None
+
+
+_SELECTIVE_OP = 'mode = "selective" and granularity = "op"'
+#: The settings that only some modes read: key -> (where it is read, in words; whether (mode, granularity) reads it).
+_READ_ONLY_IN: dict[str, tuple[str, Callable[[str, str], bool]]] = {
+    "granularity": ('mode = "selective"', lambda mode, granularity: mode == "selective"),
+    "layer_freq": ('mode = "selective" and granularity = "layer"',
+                   lambda mode, granularity: (mode, granularity) == ("selective", "layer")),
+    "save_ops": (_SELECTIVE_OP, lambda mode, granularity: (mode, granularity) == ("selective", "op")),
+    "force_recompute_modules": (_SELECTIVE_OP, lambda mode, granularity: (mode, granularity) == ("selective", "op")),
+    "recompute_modules": (_SELECTIVE_OP, lambda mode, granularity: (mode, granularity) == ("selective", "op")),
+    "early_stop": ('mode = "full" or "selective"', lambda mode, granularity: mode != "none"),
+}
+
+
+def _ignored_setting(ac_cfg) -> tuple[str, str, str] | None:
+    """A setting changed from its default that the chosen mode never reads, as (key, problem, allowed values)."""
+    defaults = type(ac_cfg)()
+    for name, (where, reads) in _READ_ONLY_IN.items():
+        value, default = getattr(ac_cfg, name), getattr(defaults, name)
+        if value != default and not reads(ac_cfg.mode, ac_cfg.granularity):
+            shown = "the default list" if isinstance(default, list) and default else json.dumps(default)
+            return (f"activation_checkpoint.{name}",
+                    f"set, but mode={ac_cfg.mode!r} granularity={ac_cfg.granularity!r} would ignore it",
+                    f"{shown} unless {where}")
+    return None
+
+
+def ac_config_problem(ac_cfg, compile_model: bool = False) -> tuple[str, str, str] | None:
+    """The first mistake in the AC section as (key, problem, allowed values), or None.
+
+    Checks what needs no model: op names, Megatron module names, that no setting differs from its default where
+    the chosen mode would ignore it (save_ops without the selective per-op mode, say), and that recompute_modules
+    does not come with a compiled model (`compile_model`): torch.compile cannot trace the hook-based composable
+    checkpoint those names use. Names in force_recompute_modules depend on the model; `apply_ac` looks them up.
+    """
+    problem = _name_problem(ac_cfg) or _ignored_setting(ac_cfg)
+    if problem is not None:
+        return problem
     if ac_cfg.recompute_modules and compile_model:
         return ("activation_checkpoint.recompute_modules", "set while the model is compiled (torch.compile cannot "
                 "trace the per-module checkpoints)", "[] with compile, or compile.components without model")
     return None
+
+
+def _inert_save_ops(save_ops: Sequence[str], device_type: str, dtype: str, ep_degree: int,
+                    comm_backend: str) -> list[tuple[str, str]]:
+    """(name, why) for each name in `save_ops` that no op of a run with these settings dispatches.
+
+    Only what the device, the compute dtype and the EP setup decide; ops whose use depends on the model (max,
+    softmax) or on a future layout (reduce_scatter, all_gather) are not judged.
+    """
+    reasons = {}
+    if device_type == "cpu" and dtype == "float32":
+        # The model's attention (models/deepseek_v3/model.py `attention`) pads v for the CPU flash kernel only in
+        # bf16/fp16; tests/test_activation_checkpoint.py checks this rule against it.
+        reasons["attention"] = ("on CPU in float32 attention takes SDPA's math path: its bmm count as 'mm' and its "
+                                "softmax as 'softmax', no fused attention op runs")
+    if device_type == "cpu":
+        reasons["norm"] = "on CPU nn.RMSNorm decomposes into pow/mean/rsqrt/mul; the fused kernel is CUDA's"
+    if ep_degree == 1:
+        reasons["all_to_all"] = "no expert parallelism (parallelism.expert_parallel_degree = 1) exchanges no tokens"
+    elif comm_backend == "deepep":
+        reasons["all_to_all"] = "DeepEP moves the tokens (deepep_dispatch / deepep_combine), not all_to_all"
+    if ep_degree == 1 or comm_backend != "deepep":
+        for name in ("deepep_dispatch", "deepep_combine"):
+            reasons[name] = (f"parallelism.expert_parallel_comm_backend = {comm_backend!r} with "
+                             f"expert_parallel_degree = {ep_degree} runs no DeepEP op")
+    return [(name, reasons[name]) for name in save_ops if name in reasons]
+
+
+def save_ops_warning(ac_cfg, device_type: str, dtype: str, ep_degree: int, comm_backend: str) -> str | None:
+    """One warning line naming the save_ops a user set that save nothing in this run, and why; else None.
+
+    Only a list that differs from the default is judged: the default names ops for every device and layout, and
+    those of other devices cost nothing. Modes that do not read save_ops are left to `ac_config_problem`.
+    """
+    if (ac_cfg.mode, ac_cfg.granularity) != ("selective", "op") or ac_cfg.save_ops == type(ac_cfg)().save_ops:
+        return None
+    inert = _inert_save_ops(ac_cfg.save_ops, device_type, dtype, ep_degree, comm_backend)
+    if not inert:
+        return None
+    line = "activation_checkpoint.save_ops: " + "; ".join(f"{name!r} saves nothing here ({why})" for name, why in inert)
+    effective = set(ac_cfg.save_ops) - {name for name, _ in inert} - {"d2h_copy"}  # d2h copies are always saved
+    if not effective and not ac_cfg.recompute_modules:
+        line += ('; nothing else in save_ops is saved, so every op is recomputed as with mode = "full", at the '
+                 "higher cost of the selective policy")
+    return line
 
 
 # ----------------------------------------------------------------------------------------------- scope tracking
@@ -457,7 +534,9 @@ def apply_ac(model: nn.Module, ac_cfg) -> nn.Module:
     `CheckpointWrapper`s: attribute access (`layer.moe`, `layer.moe_enabled`) is forwarded and state_dict keys
     are unchanged, but `named_parameters()` shows a `_checkpoint_wrapped_module.` component.
     """
-    problem = ac_config_problem(ac_cfg)
+    # Names only: a caller may vary the mode over one section (benchmarks/ac_sweep.py) and leave the settings of
+    # the other modes in it; validate_job rejects such a section in a job.
+    problem = _name_problem(ac_cfg)
     if problem is not None:
         key, what, allowed = problem
         raise ValueError(f"{key}: {what}; allowed: {allowed}")

@@ -20,7 +20,7 @@ from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.model import DeepSeekV3Model
 from models.deepseek_v3.moe import MoE
 from parallelisms.activation_checkpoint import (OP_TABLE, RECOMPUTE_MODULES, OpCounter, OpRef, ac_config_problem,
-                                                apply_ac, op_kind, resolve_ops)
+                                                apply_ac, op_kind, resolve_ops, save_ops_warning)
 from trainer.config import ActivationCheckpointSection, ConfigError, JobConfig, validate_job
 
 TINY = ModelArgs(vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=3, n_dense_layers=1, n_heads=2,
@@ -264,6 +264,90 @@ def test_validate_job_names_the_key_and_the_valid_names(key, value, valid):
         validate_job(cfg, world_size=1)
     assert err.value.key == f"activation_checkpoint.{key}"
     assert err.value.allowed == valid
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (dict(save_ops=["mm", "attention"]), "save_ops"),  # the README's old example: mode stays "none"
+    (dict(mode="full", save_ops=["mm"]), "save_ops"),
+    (dict(mode="selective", granularity="layer", save_ops=["mm"]), "save_ops"),
+    (dict(mode="full", force_recompute_modules=[]), "force_recompute_modules"),
+    (dict(mode="selective", granularity="layer", recompute_modules=["moe"]), "recompute_modules"),
+    (dict(mode="selective", layer_freq=3), "layer_freq"),
+    (dict(mode="full", granularity="layer"), "granularity"),
+    (dict(early_stop=True), "early_stop"),
+])
+def test_settings_the_mode_never_reads_are_rejected(overrides, key):
+    cfg = JobConfig()
+    for name, value in overrides.items():
+        setattr(cfg.activation_checkpoint, name, value)
+    with pytest.raises(ConfigError) as err:
+        validate_job(cfg, world_size=1)
+    assert err.value.key == f"activation_checkpoint.{key}"
+    assert "would ignore it" in err.value.problem and "unless mode = " in err.value.allowed
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(), dict(mode="full"), dict(mode="full", early_stop=True), dict(mode="selective", granularity="layer"),
+    dict(mode="selective", granularity="layer", layer_freq=3), dict(mode="selective", save_ops=["mm"],
+                                                                     force_recompute_modules=[], early_stop=True),
+])
+def test_settings_the_mode_reads_are_accepted(overrides):
+    cfg = JobConfig()
+    for name, value in overrides.items():
+        setattr(cfg.activation_checkpoint, name, value)
+    validate_job(cfg, world_size=1)
+
+
+def test_apply_ac_leaves_the_settings_of_other_modes_alone():
+    """A sweep varies the mode over one section: apply_ac itself checks only names."""
+    model = build(ac(mode="full", save_ops=["mm"], layer_freq=3))
+    assert type(model.layers["0"]).__name__ == "CheckpointWrapper"
+
+
+@pytest.mark.parametrize("save_ops, device, dtype, ep, backend, named, like_full", [
+    (["attention"], "cpu", "float32", 1, "alltoall", ["attention"], True),
+    (["attention", "d2h_copy"], "cpu", "float32", 1, "alltoall", ["attention"], True),
+    (["mm", "attention"], "cpu", "float32", 1, "alltoall", ["attention"], False),
+    (["mm", "attention", "norm", "all_to_all"], "cpu", "float32", 1, "alltoall", ["attention", "norm", "all_to_all"],
+     False),
+    (["attention", "all_to_all"], "cpu", "bfloat16", 2, "alltoall", [], False),
+    (["attention", "norm"], "cuda", "float32", 1, "alltoall", [], False),
+    (["all_to_all", "deepep_dispatch", "deepep_combine"], "cuda", "bfloat16", 2, "alltoall",
+     ["deepep_dispatch", "deepep_combine"], False),
+    (["deepep_dispatch", "deepep_combine"], "cuda", "bfloat16", 2, "alltoall", ["deepep_dispatch", "deepep_combine"],
+     True),
+    (["all_to_all", "deepep_dispatch", "deepep_combine"], "cuda", "bfloat16", 2, "deepep", ["all_to_all"], False),
+])
+def test_save_ops_that_save_nothing_in_the_run_are_named(save_ops, device, dtype, ep, backend, named, like_full):
+    warning = save_ops_warning(ac(mode="selective", save_ops=save_ops), device, dtype, ep, backend)
+    if not named:
+        assert warning is None
+        return
+    assert warning.startswith("activation_checkpoint.save_ops: ")
+    assert {name for name in OP_TABLE if f"'{name}' saves nothing here (" in warning} == set(named)
+    assert ('as with mode = "full"' in warning) == like_full
+
+
+def test_save_ops_warning_only_judges_a_list_the_mode_reads_and_the_user_set():
+    assert save_ops_warning(ac(mode="selective"), "cpu", "float32", 1, "alltoall") is None  # the default list
+    assert save_ops_warning(ac(save_ops=["attention"]), "cpu", "float32", 1, "alltoall") is None  # rejected instead
+    assert save_ops_warning(ac(mode="selective", save_ops=["attention"], recompute_modules=["moe"]), "cpu",
+                            "float32", 1, "alltoall").endswith(")")  # module-scoped: not "like full AC"
+
+
+@pytest.mark.parametrize("dtype, fused", [(torch.float32, False), (torch.bfloat16, True)])
+def test_attention_rule_matches_the_models_kernel_on_cpu(dtype, fused):
+    """The rule behind the 'attention' warning, checked against the model's attention at the debug model's
+    head dims (q/k 192, v 128): fp32 on CPU dispatches no op of the 'attention' entry, bf16 does."""
+    from models.deepseek_v3.model import attention
+
+    q, k = (torch.randn(1, 2, 16, 192, dtype=dtype, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 2, 16, 128, dtype=dtype, requires_grad=True)
+    with OpCounter() as counter:
+        attention(q, k, v, 192 ** -0.5, None).float().sum().backward()
+    assert (counter.kinds["attention"] > 0) == fused
+    assert (save_ops_warning(ac(mode="selective", save_ops=["mm", "attention"]), "cpu", str(dtype).split(".")[1],
+                             1, "alltoall") is None) == fused
 
 
 # ----------------------------------------------------------------------------------------------- wrapper

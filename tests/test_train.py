@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from trainer.config import load_config
+from trainer import preflight
+from trainer.config import load_config, run_with_config_errors
 from trainer.metrics import read_scalars
 from trainer.train import run
 
@@ -79,6 +80,32 @@ def test_print_config_prints_merged_toml():
     r = _cli(["--job.config_file", "train_configs/debug_model.toml", "--training.steps", "7",
               "--job.print_config", "true"])
     assert r.returncode == 0 and "steps = 7" in r.stdout and 'flavor = "debugmodel"' in r.stdout
+
+
+def test_print_config_runs_the_checks_of_a_launch(tmp_path, capsys):
+    # the README's old example: save_ops without the selective mode is a config error, printed or not
+    bad = ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path / "dump"),
+           "--activation_checkpoint.save_ops", "mm,attention", "--job.print_config", "true"]
+    r = _cli(bad)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: activation_checkpoint.save_ops: "), r.stderr
+    with pytest.raises(SystemExit) as exc:  # run_train.sh's preflight: the same line, and no launch after it
+        run_with_config_errors(preflight._check, ["--world-size", "2", *bad])
+    assert exc.value.code == 2 and capsys.readouterr().err.strip() == lines[0]
+    with pytest.raises(SystemExit) as exc:  # a valid job: printed once by preflight, nothing launched
+        run_with_config_errors(preflight._check, ["--world-size", "2", *bad[:4], "--job.print_config", "true"])
+    assert exc.value.code == preflight.NOTHING_TO_LAUNCH and "[activation_checkpoint]" in capsys.readouterr().out
+    assert not (tmp_path / "dump").exists()
+
+
+def test_save_ops_that_save_nothing_are_named_once_at_start(tmp_path, caplog):
+    run(_cfg(tmp_path, "--training.steps", "1", "--training.seq_len", "32", "--validation.enable", "false",
+             "--memory.track", "off", "--metrics.enable_tensorboard", "false", "--activation_checkpoint.mode",
+             "selective", "--activation_checkpoint.save_ops", "attention"))
+    named = [r.getMessage() for r in caplog.records if "activation_checkpoint.save_ops" in r.getMessage()]
+    assert len(named) == 1 and "'attention' saves nothing here (on CPU in float32" in named[0], named
+    assert 'as with mode = "full"' in named[0]
 
 
 @pytest.mark.slow

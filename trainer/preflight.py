@@ -2,18 +2,19 @@
 
 `run_train.sh` calls this once before torchrun, so a bad config, tokenizer or dataset ends with one line and exit
 code 2 instead of one torchrun failure report per rank. The trainer repeats the same checks in every rank.
-With `parallelism.dry_run = true` it prints the dry-run plan for the world size instead and exits with
-DRY_RUN_DONE, which tells `run_train.sh` not to launch anything.
+With `job.print_config = true` it prints the merged config once the checks pass, and with
+`parallelism.dry_run = true` the dry-run plan for the world size; both exit with NOTHING_TO_LAUNCH, which tells
+`run_train.sh` not to launch anything.
 """
 
 from __future__ import annotations
 
 import sys
 
-from trainer.config import load_config, run_with_config_errors
+from trainer.config import config_to_toml, load_config, run_with_config_errors
 from trainer.train import prepare
 
-DRY_RUN_DONE = 10
+NOTHING_TO_LAUNCH = 10
 
 
 def _check(argv: list[str]) -> None:
@@ -21,14 +22,15 @@ def _check(argv: list[str]) -> None:
     if argv[:1] == ["--world-size"]:
         world_size, argv = int(argv[1]), argv[2:]
     cfg = load_config(argv)
-    if cfg.job.print_config:
-        return  # the trainer prints it
     prepare(cfg, world_size, rank=0)
+    if cfg.job.print_config:
+        print(config_to_toml(cfg), end="")
+        sys.exit(NOTHING_TO_LAUNCH)
     if cfg.parallelism.dry_run:
         from parallelisms.dry_run import print_report, report
 
         print_report(report(cfg, world_size), world_size, cfg)
-        sys.exit(DRY_RUN_DONE)
+        sys.exit(NOTHING_TO_LAUNCH)
 
 
 if __name__ == "__main__":

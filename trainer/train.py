@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from parallelisms.activation_checkpoint import save_ops_warning
 from parallelisms.clip import clip_grad_norm_
 from parallelisms.compile import compile_loss
 from parallelisms.mesh import build_meshes
@@ -336,6 +337,15 @@ class Trainer:
         self.metrics.close()
 
 
+def _warn_settings_without_effect(prep: Prepared, device: torch.device) -> None:
+    """Log once what the config asks for that this run's device, dtype or layout makes a no-op."""
+    cfg = prep.cfg
+    warning = save_ops_warning(cfg.activation_checkpoint, device.type, cfg.training.dtype, prep.dims.ep,
+                               cfg.parallelism.expert_parallel_comm_backend)
+    if warning is not None:
+        logger.warning(warning)
+
+
 def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None) -> list[float]:
     """Train with an already loaded config in this process; returns the loss of every step.
 
@@ -346,6 +356,8 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
     prep = prepare(cfg, world_size, rank)
     device = devices.init_distributed()
     init_logging(devices.rank())
+    if devices.rank() == 0:
+        _warn_settings_without_effect(prep, device)
     trainer = None
     try:
         trainer = Trainer(prep, device)
@@ -360,7 +372,11 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
 def _main(argv: list[str]) -> None:
     cfg = load_config(argv)
     if cfg.job.print_config:
-        print(config_to_toml(cfg), end="")
+        # the checks of a launch first: an invalid config is reported as such, not printed
+        rank = int(os.environ.get("RANK", 0))
+        prepare(cfg, devices.world_size_from_env(), rank)
+        if rank == 0:
+            print(config_to_toml(cfg), end="")
         return
     run(cfg)
 
