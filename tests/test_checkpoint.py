@@ -53,6 +53,64 @@ def test_resume_is_exact_and_data_neither_repeats_nor_skips(tmp_path, monkeypatc
     assert any(k.endswith("moe.expert_bias") for k in a)
 
 
+def test_resume_with_more_steps_follows_the_new_lr_schedule(tmp_path, monkeypatch, caplog):
+    """5 steps, then the same run resumed to 10, against 10 straight: from step 6 on, the same LR (the one the
+    optimizer steps with and the one logged) and, deterministic, the same losses. The losses match because the
+    debug config's 5 warmup steps give steps 1-5 the same LR under both schedules; a schedule that decays
+    within the first run gives it other weights at step 5, and then only the LRs match."""
+    used = {}  # dump folder -> [(step, LR in the optimizer's param group, logged LR)]
+    original = Trainer.train_step
+
+    def recording(self, step):
+        lr = self.optimizers[0].param_groups[0]["lr"]
+        scalars = original(self, step)
+        used.setdefault(self.cfg.job.dump_folder, []).append((step, lr, scalars["lr"]))
+        return scalars
+
+    monkeypatch.setattr(Trainer, "train_step", recording)
+    straight = run(_cfg(tmp_path / "straight", "--training.steps", "10"))
+    run(_cfg(tmp_path / "extended", "--training.steps", "5"))
+    caplog.set_level("INFO", logger="trainer")
+    resumed = run(_cfg(tmp_path / "extended", "--training.steps", "10"))
+    want, got = used[str(tmp_path / "straight")][5:], used[str(tmp_path / "extended")][5:]
+    assert [s for s, _, _ in got] == list(range(6, 11))
+    assert got == want  # bit-equal LRs, used and logged
+    assert resumed == straight[5:]
+    changed = [r.getMessage() for r in caplog.records if "LR schedule changed" in r.getMessage()]
+    assert len(changed) == 1 and "training.steps 5 -> 10" in changed[0] and "from step 6 on" in changed[0], changed
+
+
+def test_lr_schedule_state_is_its_position_and_names_what_changed():
+    from trainer.config import LRSchedulerSection
+    from trainer.lr_schedule import build_lr_scheduler, lr_factor
+
+    def scheduler(total, lr=1.0, **cfg):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        return opt, build_lr_scheduler(opt, LRSchedulerSection(**cfg), total)
+
+    opt, old = scheduler(5)
+    for _ in range(3):
+        opt.step()
+        old.step()
+    state = old.state_dict()
+    opt, new = scheduler(10, lr=0.5, warmup_steps=1)
+    new.load_state_dict(state)
+    expected = 0.5 * lr_factor(4, 10, 1, "linear", 1.0, 0.0)
+    assert new.get_last_lr() == [expected] and opt.param_groups[0]["lr"] == expected
+    assert new.resume_changes == [("training.steps", 5, 10), ("optimizer.lr", 1.0, 0.5),
+                                  ("lr_scheduler.warmup_steps", 2, 1)]
+    # a plain LambdaLR's state (no settings recorded) restores the position alone
+    opt, plain = scheduler(10)
+    lambda_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(lambda_opt, lambda epoch: 1.0)
+    for _ in range(3):
+        lambda_opt.step()
+        lambda_lr.step()
+    plain.load_state_dict(lambda_lr.state_dict())
+    assert plain.last_epoch == 3 and plain.get_last_lr() == [lr_factor(4, 10, 2, "linear", 1.0, 0.0)]
+    assert plain.resume_changes == []
+
+
 def test_interrupted_save_is_never_picked_and_keep_latest_k(tmp_path):
     run(_cfg(tmp_path, "--training.steps", "10", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2"))
     folder = tmp_path / "checkpoint"

@@ -3,7 +3,8 @@
 Layout: `<dump_folder>/<checkpoint.folder>/step-<N>/` holds one DCP checkpoint with
     model        every model part's state dict, under the full model's parameter names (expert bias included)
     optimizer    every part's AdamW state, flattened and keyed by parameter name (so any layout can load it)
-    lr_scheduler, dataloader (global stream position), train_state (step, RNG)
+    lr_scheduler (the schedule's position; on resume the LR comes from the current config: a run extended to more
+                 steps follows its new schedule), dataloader (global stream position), train_state (step, RNG)
 Names do not depend on the parallel layout, so a checkpoint saved at (fsdp=2, ep=2) loads at fsdp=4, on one
 process, or split into pipeline stages: DCP reshards.
 
@@ -31,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+
+from trainer.lr_schedule import WarmupDecayLR
 
 logger = logging.getLogger("trainer")
 
@@ -73,7 +76,12 @@ class OptimizerState(Stateful):
 
     def load_state_dict(self, state_dict):
         for part, opt in zip(self.parts, self.optimizers):
+            # The LR belongs to the LR schedule, which recomputes it from the current config on resume; the saved
+            # one is the old schedule's (DCP loads the schedule first: keys load in sorted order).
+            lrs = [group["lr"] for group in opt.param_groups]
             set_optimizer_state_dict(part, opt, state_dict, options=self.options)
+            for group, lr in zip(opt.param_groups, lrs, strict=True):
+                group["lr"] = lr
 
 
 class ObjectState(Stateful):
@@ -128,8 +136,10 @@ class CheckpointManager:
     the rest of the job config.
     """
 
-    def __init__(self, cfg, dump_folder: str, model_parts, optimizers, lr_schedulers, dataloader):
+    def __init__(self, cfg, dump_folder: str, model_parts, optimizers, lr_schedulers: list[WarmupDecayLR],
+                 dataloader):
         self.cfg = cfg
+        self.lr_schedulers = lr_schedulers
         self.dump_folder = dump_folder
         self.folder = os.path.join(dump_folder, cfg.folder)
         self.model = ModelState(model_parts)
@@ -158,6 +168,12 @@ class CheckpointManager:
         if path is not None:
             self._load(self.states, path)
             logger.info("resumed from %s (step %d)", path, self.train_state.step)
+            changes = self.lr_schedulers[0].resume_changes  # every part's schedule has the same settings
+            if changes:
+                logger.info("LR schedule changed since the checkpoint (%s): the LR follows the current config "
+                            "from step %d on (lr %.4g)",
+                            ", ".join(f"{key} {old} -> {new}" for key, old, new in changes),
+                            self.train_state.step + 1, self.lr_schedulers[0].get_last_lr()[0])
             return self.train_state.step
         if self.cfg.initial_load_path and not self.cfg.initial_load_in_hf:
             self._load({"model": self.model}, self.cfg.initial_load_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -30,12 +31,44 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_type: str, d
     return min_lr_factor + (1 - min_lr_factor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR over `lr_factor`; `cfg` is the `[lr_scheduler]` section. Its state is checkpointable."""
+class WarmupDecayLR(torch.optim.lr_scheduler.LambdaLR):
+    """A LambdaLR over `lr_factor` whose checkpointed state is its position, not its learning rates.
 
-    def factor(last_epoch: int) -> float:
-        # LambdaLR calls with 0 at construction (the LR of step 1) and k after k scheduler steps
-        return lr_factor(last_epoch + 1, total_steps, cfg.warmup_steps, cfg.decay_type, cfg.decay_ratio,
-                         cfg.min_lr_factor)
+    `cfg` is the `[lr_scheduler]` section. `state_dict()` holds the number of steps taken and, for the record, the
+    settings that shape the schedule; `load_state_dict()` restores the position only and recomputes the LR from
+    the current config, so a run resumed with another `training.steps` (or `lr_scheduler.*`, or `optimizer.lr`)
+    follows the new schedule from its first step. `resume_changes` then lists what differs from the checkpoint.
+    """
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg, total_steps: int):
+        def factor(last_epoch: int) -> float:
+            # LambdaLR calls with 0 at construction (the LR of step 1) and k after k scheduler steps
+            return lr_factor(last_epoch + 1, total_steps, cfg.warmup_steps, cfg.decay_type, cfg.decay_ratio,
+                             cfg.min_lr_factor)
+
+        super().__init__(optimizer, factor)
+        self.settings = {"training.steps": total_steps, "optimizer.lr": self.base_lrs[0],
+                         **{f"lr_scheduler.{k}": v for k, v in dataclasses.asdict(cfg).items()}}
+        self.resume_changes: list[tuple[str, object, object]] = []
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "settings": dict(self.settings)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Continue after `state_dict["last_epoch"]` steps with the LR of the current schedule at that point.
+
+        The optimizer's param groups get that LR too: its own checkpoint holds the LR of the saved schedule.
+        Also accepts the state of a plain LambdaLR (which records no settings).
+        """
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = self.last_epoch + 1  # as after that many step() calls (checked by LRScheduler.step)
+        saved = state_dict.get("settings", {})
+        self.resume_changes = [(k, saved[k], v) for k, v in self.settings.items() if k in saved and saved[k] != v]
+        for group, base, lmbda in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True):
+            group["lr"] = base * lmbda(self.last_epoch)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> WarmupDecayLR:
+    """The schedule of `cfg` (the `[lr_scheduler]` section) over `total_steps` optimizer steps; checkpointable."""
+    return WarmupDecayLR(optimizer, cfg, total_steps)
