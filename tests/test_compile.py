@@ -170,8 +170,8 @@ def test_two_ranks_expert_parallel_compiled_through_the_trainer(tmp_path):
 
     Validation (eval mode, no_grad) runs after steps 3 and 6: the first one compiles the eval graphs once.
     """
-    # full AC: the eager checkpoint wraps the compiled pieces. (Selective per-op AC of an MoE block whose experts
-    # are their own FSDP unit fails in eager too: FSDP's record_function ops differ between forward and recompute.)
+    # full AC: the eager checkpoint wraps the compiled pieces. (Selective per-op AC with EP x FSDP is covered eagerly
+    # by tests/test_parallel.py.)
     results = launch(2, {"eager": [], "compiled": ["--compile.enable", "true",
                                                    "--activation_checkpoint.mode", "full"]}, tmp_path)
     assert_compiled_around_dispatcher_like_eager(results["eager"], results["compiled"])
