@@ -7,8 +7,9 @@ import pytest
 import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Forced, not defaulted: a user's exported HF_HUB_OFFLINE=0 must not let a test reach the network.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TIKTOKEN_CACHE_DIR"] = ""
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)

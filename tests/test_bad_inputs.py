@@ -112,7 +112,21 @@ CASES = [
     ("malformed_toml", lambda tmp: ["--job.config_file", str(_write(tmp / "bad.toml", "[training]\nsteps = = 3\n"))],
      1, "bad.toml:2"),
     ("missing_toml", ["--job.config_file", "/nonexistent/job.toml"], 1, "/nonexistent/job.toml"),
+    ("wrong_text_field", lambda tmp: ["--dataset.path", _jsonl(tmp / "content.jsonl", "content", 30)],
+     1, ("config error: dataset.text_field: ", "no string field 'text'", "have: content")),
+    ("unknown_dataset_name", ["--dataset.name", "pydocs"],
+     1, ("config error: dataset.name: 'pydocs'", "did you mean 'pydoc'?", "offline", "dataset.allow_download")),
+    ("missing_validation_split", ["--validation.split", "test"], 1, ("config error: validation.split: ",
+                                                                     "validation.enable = false")),
+    ("too_few_documents_to_hold_out", lambda tmp: ["--dataset.path", _jsonl(tmp / "small.jsonl", "text", 10)],
+     1, ("config error: validation.hold_out_every: ", "fewer than 25", "validation.enable = false")),
 ]
+
+
+def _jsonl(path, field, n):
+    """A jsonl file of n short documents whose text sits in `field`."""
+    path.write_text("".join(json.dumps({field: f"Document number {i}, short."}) + "\n" for i in range(n)))
+    return str(path)
 
 
 def _write(path, text):
@@ -121,13 +135,15 @@ def _write(path, text):
 
 
 def _expect_one_line_exit_2(argv, world_size, needle, capsys):
+    """`needle`: a substring of the one line, or a tuple of substrings it must all contain."""
     with pytest.raises(SystemExit) as exc:
         run_with_config_errors(_check, ["--world-size", str(world_size), *argv])
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert exc.value.code == 2, err
     assert len(lines) == 1 and "Traceback" not in err, err
-    assert needle in lines[0], lines[0]
+    for part in (needle,) if isinstance(needle, str) else needle:
+        assert part in lines[0], lines[0]
     return lines[0]
 
 

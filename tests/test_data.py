@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.data import ListDocuments, PackedDataLoader, build_dataloader
+from trainer.config import DatasetSection, load_config
+from trainer.data import DatasetError, HeldOutDocuments, ListDocuments, PackedDataLoader, build_dataloader, load_documents
 from trainer.loss import IGNORE_INDEX, count_valid_tokens
 from trainer.tokenizer import build_tokenizer
 
@@ -201,6 +202,128 @@ def test_local_txt_dir_and_custom_field(tok, offline_datasets, tmp_path):
     (data_dir / "extra.txt").write_text("mixed")
     with pytest.raises(ValueError, match="mixes file types"):
         build_dataloader(cfg, tok, 4, 1, 0, 1)
+
+
+def test_unreadable_or_wrong_field_local_file_is_a_dataset_error(tok, offline_datasets, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"content": "a", "id": 1}) + "\n")
+    cfg = SimpleNamespace(name="x", path=str(data), split="train", streaming=True, text_field="text")
+    with pytest.raises(DatasetError, match=r"no string field 'text' \(fields: content, id\)") as err:
+        list(load_documents(cfg, "train").iter_texts(0))
+    assert err.value.key == "text_field" and err.value.allowed == "a string field the documents have: content"
+
+    data.write_text(json.dumps({"text": "fine"}) + "\n{\"text\": broken\n")
+    for streaming in (True, False):
+        cfg.streaming = streaming
+        with pytest.raises(DatasetError, match="cannot be read") as err:
+            list(load_documents(cfg, "train").iter_texts(0))
+        assert err.value.key == "path"
+
+
+def test_unknown_name_says_offline_and_did_you_mean(offline_datasets):
+    # The test process is offline (conftest): with downloads allowed the environment is what keeps it offline.
+    for allow_download, why in [(False, "downloads are off"), (True, "offline mode is on (HF_HUB_OFFLINE")]:
+        cfg = DatasetSection(name="pydocs", allow_download=allow_download)
+        with pytest.raises(DatasetError, match=r"'pydocs' is neither a local dataset") as err:
+            load_documents(cfg, "train")
+        assert err.value.key == "name" and why in err.value.problem and "did you mean 'pydoc'?" in err.value.problem
+        assert "dataset.allow_download = true" in err.value.allowed
+
+
+class _FakeHub:
+    """A local HTTP server standing in for the Hugging Face Hub: answers 404 to everything, records the requests."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        requests = self.requests = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _not_found(self):
+                requests.append(self.path)
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_GET = do_HEAD = do_POST = _not_found
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+
+@pytest.mark.slow
+def test_allow_download_decides_whether_the_hub_is_asked(tmp_path):
+    """In a fresh process with no HF offline variables (as run_train.sh starts the trainer): the default stays
+    offline and asks nothing; dataset.allow_download = true asks the Hub (here a local stand-in)."""
+    hub = _FakeHub()
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=str(REPO))
+    script = ("import sys; from trainer.config import DatasetSection; from trainer.data import load_documents\n"
+              "try: load_documents(DatasetSection(name='no-such/dataset', allow_download=sys.argv[1] == 'true'),"
+              " 'train')\nexcept ValueError as e: print(e)")
+    try:
+        for allow_download, expect, asked in [("false", "downloads are off", False),
+                                              ("true", "the Hugging Face Hub does not serve it", True)]:
+            before = len(hub.requests)
+            done = subprocess.run([sys.executable, "-c", script, allow_download], env=env, cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=300)
+            assert expect in done.stdout, done.stdout + done.stderr
+            assert (len(hub.requests) > before) == asked, hub.requests
+    finally:
+        hub.server.shutdown()
+
+
+def test_held_out_documents_partition_the_source_and_resume_by_index():
+    docs = [f"doc {i}" for i in range(60)]
+    held = HeldOutDocuments(ListDocuments(docs), 25, held_out=True)
+    rest = HeldOutDocuments(ListDocuments(docs), 25, held_out=False)
+    want_held = [docs[i] for i in range(len(docs)) if i % 25 == 24]  # the 25th and the 50th
+    assert list(held.iter_texts(0)) == want_held == ["doc 24", "doc 49"]
+    assert list(rest.iter_texts(0)) == [d for d in docs if d not in want_held]
+    for part in (held, rest):
+        full = list(part.iter_texts(0))
+        assert all(list(part.iter_texts(start)) == full[start:] for start in range(len(full) + 1))
+    assert list(HeldOutDocuments(ListDocuments(docs[:24]), 25, held_out=True).iter_texts(0)) == []
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_single_local_file_holds_out_validation_documents(tok, offline_datasets, tmp_path, streaming):
+    """`--dataset.path FILE` with the default config (validation on): validation reads every 25th document,
+    training all the others, and the two never share a document."""
+    from trainer.train import prepare
+
+    docs = [f"Document {i}: " + "word " * (i % 7) for i in range(80)]
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--dataset.path", str(data),
+                       "--dataset.streaming", str(streaming).lower(), "--training.seq_len", "16",
+                       "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "dump")])
+    prep = prepare(cfg, world_size=1, rank=0)
+    train_docs = list(prep.train_loader.source.iter_texts(0))
+    val_docs = list(prep.val_loader.source.iter_texts(0))
+    assert val_docs == [d for i, d in enumerate(docs) if i % 25 == 24]
+    assert not set(train_docs) & set(val_docs) and sorted(train_docs + val_docs) == sorted(docs)
+    # The packed validation batches are those of the held-out documents.
+    reference = PackedDataLoader(ListDocuments(val_docs), tok, 16, 2, 0, 1)
+    for _ in range(3):
+        got, want = prep.val_loader.next_batch(), reference.next_batch()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not (tmp_path / "dump").exists()
+
+    # Without validation, training reads every document; a local validation.dataset is read whole.
+    other = tmp_path / "val.jsonl"
+    other.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:5]))
+    cfg.validation.dataset = str(other)
+    prep = prepare(cfg, world_size=1, rank=0)
+    assert list(prep.train_loader.source.iter_texts(0)) == docs
+    assert list(prep.val_loader.source.iter_texts(0)) == docs[:5]
+    cfg.validation.enable = False
+    assert list(prepare(cfg, world_size=1, rank=0).train_loader.source.iter_texts(0)) == docs
 
 
 def test_corpus_generation_is_deterministic(tmp_path):

@@ -16,6 +16,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 export PATH="$PWD/$VENV_DIR/bin:$PATH"
-# Nothing in the default run or the tests may reach the network.
-export HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+# Hugging Face's offline switch is not set here: the trainer sets it itself unless the config has
+# dataset.allow_download = true (trainer/data.py), and tests/conftest.py sets it for the tests.
 export TIKTOKEN_CACHE_DIR="${TIKTOKEN_CACHE_DIR-}"

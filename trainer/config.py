@@ -207,6 +207,10 @@ class DatasetSection:
     """Stream the dataset instead of downloading and materialising it first."""
     text_field: str = "text"
     """Name of the column that holds the raw text."""
+    allow_download: bool = False
+    """Let a Hugging Face dataset name be fetched from the Hub. false: Hugging Face runs offline (the shipped
+    corpus, local files and datasets already in the local HF cache); an exported HF_HUB_OFFLINE=1 keeps a run
+    offline even when true."""
 
 
 @dataclass
@@ -363,6 +367,9 @@ class ValidationSection:
     """Dataset name or path; empty = the training dataset."""
     split: str = "validation"
     """Split of the validation dataset."""
+    hold_out_every: int = _opt(25, ge=2)
+    """Local files have no validation split: with dataset.path set, validation.dataset empty and validation.split
+    "validation", validation reads every this many-th document of the training files and training skips them."""
 
 
 @dataclass

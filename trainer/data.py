@@ -15,8 +15,10 @@ loader state is global: a checkpoint resumes on any number of ranks.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,12 +28,16 @@ import torch
 from trainer.tokenizer import Tokenizer, resolve_path
 
 __all__ = [
+    "LOCAL_DATASETS",
     "PYDOC_FILES",
+    "DatasetError",
     "DocumentSource",
     "HFDocuments",
+    "HeldOutDocuments",
     "ListDocuments",
     "PackedDataLoader",
     "build_dataloader",
+    "has_documents",
     "load_documents",
 ]
 
@@ -43,8 +49,25 @@ PYDOC_FILES = {
     "validation": "assets/data/pydoc_corpus_val.jsonl",
 }
 
+# Dataset names read from the repository itself, without Hugging Face.
+LOCAL_DATASETS = ("pydoc",)
+
 # Local file suffix -> the `datasets` builder that reads it.
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+class DatasetError(ValueError):
+    """A dataset setting that cannot work, found before training: the trainer reports it as a config error.
+
+    ``key`` is the attribute of the dataset config at fault (``name``, ``path``, ``split``, ``text_field``),
+    ``problem`` says what is wrong and ``allowed`` (optional) what would work instead.
+    """
+
+    def __init__(self, key: str, problem: str, allowed: str | None = None) -> None:
+        super().__init__(problem)
+        self.key = key
+        self.problem = problem
+        self.allowed = allowed
 
 
 class DocumentSource(Protocol):
@@ -76,22 +99,63 @@ class HFDocuments:
     tokenization for streaming ones.
     """
 
-    def __init__(self, dataset: Any, text_field: str, description: str) -> None:
+    def __init__(self, dataset: Any, text_field: str, description: str, key: str = "name") -> None:
         self.dataset = dataset
         self.text_field = text_field
         self.description = description
+        self.key = key  # the dataset setting a document that cannot be parsed is reported on
 
     def iter_texts(self, start: int) -> Iterator[str]:
-        """Texts from index ``start`` on; raises ``ValueError`` on a missing or non-string field."""
-        dataset = self.dataset.skip(start) if start else self.dataset
-        for index, example in enumerate(dataset, start=start):
+        """Texts from index ``start`` on; raises ``DatasetError`` on a missing or non-string field, or a document
+        that cannot be parsed."""
+        examples = iter(self.dataset.skip(start) if start else self.dataset)
+        index = start
+        while True:
+            try:
+                example = next(examples)
+            except StopIteration:
+                return
+            except ValueError as e:  # pyarrow's parse errors (ArrowInvalid) are ValueErrors
+                raise DatasetError(self.key, f"{self.description}: document {index} cannot be read: {e}") from None
             text = example.get(self.text_field)
             if not isinstance(text, str):
-                raise ValueError(
+                fields = ", ".join(k for k, v in example.items() if isinstance(v, str)) or "none"
+                raise DatasetError(
+                    "text_field",
                     f"{self.description}: document {index} has no string field {self.text_field!r} "
-                    f"(fields: {', '.join(example)})"
+                    f"(fields: {', '.join(example)})",
+                    f"a string field the documents have: {fields}",
                 )
             yield text
+            index += 1
+
+
+class HeldOutDocuments:
+    """A validation split for documents that have none: every ``every``-th document, or all the others.
+
+    ``held_out=True`` keeps documents ``every - 1``, ``2 * every - 1``, ... of ``source`` (the 25th, 50th, ...
+    for ``every = 25``); ``held_out=False`` keeps the rest. The two never share a document, keep the source's
+    order, and number their own documents from 0, so they resume by index like any other source.
+    """
+
+    def __init__(self, source: DocumentSource, every: int, held_out: bool) -> None:
+        if every < 2:
+            raise ValueError(f"every must be >= 2, got {every}")
+        self.source = source
+        self.every = every
+        self.held_out = held_out
+        which = "1 in" if held_out else "all but 1 in"
+        self.description = f"{source.description}, {which} every {every} documents"
+
+    def iter_texts(self, start: int) -> Iterator[str]:
+        """Texts of this part's documents ``start``, ``start + 1``, ...; reads the source from the first of them."""
+        k = self.every
+        # Index in the source of this part's document `start`: held-out ones sit at k-1, 2k-1, ...; the others
+        # fill the k-1 places before each of those.
+        first = start * k + k - 1 if self.held_out else start + start // (k - 1)
+        for index, text in enumerate(self.source.iter_texts(first), start=first):
+            if (index % k == k - 1) == self.held_out:
+                yield text
 
 
 class PackedDataLoader:
@@ -216,63 +280,129 @@ def _local_data_files(path: Path) -> tuple[str, list[str]]:
             and not any(part.startswith(".") for part in p.relative_to(path).parts)
         )
         if not files:
-            raise ValueError(f"dataset directory {str(path)!r} holds no {kinds} files")
+            raise DatasetError("path", f"dataset directory {str(path)!r} holds no {kinds} files")
     elif path.suffix.lower() in _BUILDERS:
         files = [path]
     else:
-        raise ValueError(f"dataset file {str(path)!r} is not one of {kinds}")
+        raise DatasetError("path", f"dataset file {str(path)!r} is not one of {kinds}")
     builders = sorted({_BUILDERS[p.suffix.lower()] for p in files})
     if len(builders) > 1:
-        raise ValueError(f"dataset directory {str(path)!r} mixes file types ({', '.join(builders)}); use one")
+        raise DatasetError("path", f"dataset directory {str(path)!r} mixes file types ({', '.join(builders)})",
+                           "a directory of one file type")
     return builders[0], [str(p) for p in files]
+
+
+def _import_datasets(allow_download: bool) -> Any:
+    """The ``datasets`` module, offline unless ``allow_download``.
+
+    Hugging Face libraries read their offline switch once, when first imported, and the trainer imports them only
+    here; so a run that does not allow downloads sets it first. With ``allow_download`` the environment is left
+    as the user has it (an exported ``HF_HUB_OFFLINE=1`` still keeps the run offline).
+    """
+    if not allow_download:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
+    import datasets  # imported here: it takes about a second and the default corpus does not need it
+
+    return datasets
+
+
+def _load_hf(datasets: Any, split: str, key: str, what: str, **kwargs: Any) -> Any:
+    """``datasets.load_dataset(**kwargs)``; a split it lacks becomes a ``DatasetError`` on ``split``."""
+    try:
+        return datasets.load_dataset(split=split, **kwargs)
+    except datasets.exceptions.DatasetGenerationError as e:
+        # Its own message only says that generation failed; the cause names the file and the row.
+        raise DatasetError(key, f"{what} cannot be read: {e.__cause__ or e}") from None
+    except ValueError as e:
+        if "split" not in str(e).lower():
+            raise DatasetError(key, f"{what} cannot be read: {e}") from None
+        raise DatasetError("split", f"{what}: {e}", "a split the dataset has") from None
+
+
+def _unknown_name(name: str, error: Exception, offline: bool, allow_download: bool) -> DatasetError:
+    """The error for a name that is neither a local dataset nor a Hugging Face dataset within reach."""
+    close = difflib.get_close_matches(name, LOCAL_DATASETS, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    if offline and not allow_download:
+        problem = (f"{name!r} is neither a local dataset nor in the Hugging Face cache, and downloads are off "
+                   f"(offline mode, dataset.allow_download = false){hint}")
+    elif offline:
+        problem = (f"{name!r} is neither a local dataset nor in the Hugging Face cache, and offline mode is on "
+                   f"(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set in the environment){hint}")
+    elif isinstance(error, ConnectionError):
+        problem = (f"{name!r} is neither a local dataset nor in the Hugging Face cache, and the Hub cannot be "
+                   f"reached ({error}){hint}")
+    else:
+        problem = f"{name!r} is not a local dataset and the Hugging Face Hub does not serve it ({error}){hint}"
+    local = ", ".join(LOCAL_DATASETS)
+    return DatasetError("name", problem, f"{local} (shipped), local files with dataset.path, or a Hugging Face "
+                                         "dataset with dataset.allow_download = true")
 
 
 def load_documents(dataset_cfg: Any, split: str) -> DocumentSource:
     """The documents that ``dataset_cfg`` names, for ``split``.
 
     ``dataset_cfg`` provides ``name``, and optionally ``path`` (default none), ``streaming``
-    (default False) and ``text_field`` (default "text"). Sources, in priority order:
+    (default False), ``text_field`` (default "text") and ``allow_download`` (default False).
+    Sources, in priority order:
 
     * ``path``: a local json/jsonl/parquet/txt file or a directory of them, through
       ``datasets.load_dataset`` (``.txt`` files give one document per blank-line-separated
       paragraph); ``split`` is passed on (local files form one split, "train"; slices such as
       ``"train[:5%]"`` work without streaming);
     * ``name == "pydoc"``: the shipped corpus, read directly (split "train" or "validation");
-    * any other ``name``: a Hugging Face Hub dataset (needs network or a warm HF cache).
+    * any other ``name``: a Hugging Face dataset, from the local HF cache, or from the Hub when
+      ``allow_download`` is true. Without ``allow_download`` Hugging Face runs in offline mode.
 
     Raises:
-        ValueError: missing path, unknown pydoc split, or a file type that cannot be read.
+        DatasetError: missing path, unknown name or split, or a file type that cannot be read; ``key``
+            names the setting at fault.
     """
     path = getattr(dataset_cfg, "path", None)
     streaming = bool(getattr(dataset_cfg, "streaming", False))
     text_field = getattr(dataset_cfg, "text_field", None) or "text"
+    allow_download = bool(getattr(dataset_cfg, "allow_download", False))
     if path:
         resolved = resolve_path(path)
         if not resolved.exists():
-            raise ValueError(f"dataset path {str(path)!r} not found")
+            raise DatasetError("path", f"dataset path {str(path)!r} not found")
         builder, files = _local_data_files(resolved)
-        import datasets  # imported here: it takes about a second and the default corpus skips it
-
+        datasets = _import_datasets(allow_download)
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-        dataset = datasets.load_dataset(builder, data_files=files, split=split, streaming=streaming, **kwargs)
-        return HFDocuments(dataset, text_field, f"{path} [{split}]")
+        dataset = _load_hf(datasets, split, "path", repr(str(path)), path=builder, data_files=files,
+                           streaming=streaming, **kwargs)
+        return HFDocuments(dataset, text_field, f"{path} [{split}]", key="path")
 
     name = dataset_cfg.name
     if name == "pydoc":
         if split not in PYDOC_FILES:
-            raise ValueError(f"dataset 'pydoc' has splits {', '.join(PYDOC_FILES)}, not {split!r}")
+            raise DatasetError("split", f"dataset 'pydoc' has splits {', '.join(PYDOC_FILES)}, not {split!r}",
+                               ", ".join(PYDOC_FILES))
         corpus = resolve_path(PYDOC_FILES[split])
         try:
             with corpus.open(encoding="utf-8") as f:
                 texts = [json.loads(line)["text"] for line in f if line.strip()]
         except OSError as e:
-            raise ValueError(f"pydoc corpus {str(corpus)!r} cannot be read: {e.strerror or e}") from None
+            raise DatasetError("name", f"pydoc corpus {str(corpus)!r} cannot be read: {e.strerror or e}") from None
         return ListDocuments(texts, f"pydoc [{split}]")
 
-    import datasets
-
-    dataset = datasets.load_dataset(name, split=split, streaming=streaming)
+    datasets = _import_datasets(allow_download)
+    try:
+        dataset = _load_hf(datasets, split, "name", repr(name), path=name, streaming=streaming)
+    except (ConnectionError, FileNotFoundError) as e:
+        # Offline and not cached: ConnectionError; online but unknown to the Hub: FileNotFoundError.
+        raise _unknown_name(name, e, datasets.config.HF_HUB_OFFLINE, allow_download) from None
     return HFDocuments(dataset, text_field, f"{name} [{split}]")
+
+
+def has_documents(source: DocumentSource) -> bool:
+    """Whether ``source`` has a document; reads the first one, so a wrong text field fails before training.
+
+    Raises:
+        DatasetError: on ``text_field`` when the first document lacks it.
+    """
+    return next(iter(source.iter_texts(0)), None) is not None
 
 
 def build_dataloader(
@@ -283,12 +413,17 @@ def build_dataloader(
     dp_rank: int,
     dp_degree: int,
     split_override: str | None = None,
+    hold_out_every: int = 0,
+    held_out: bool = False,
 ) -> PackedDataLoader:
     """A ``PackedDataLoader`` over the documents of ``dataset_cfg`` (see ``load_documents``).
 
     ``split_override`` replaces ``dataset_cfg.split`` (default "train"), e.g. "validation" for an
-    evaluation loader built from the training dataset's config.
+    evaluation loader built from the training dataset's config. ``hold_out_every`` > 0 splits the
+    documents with ``HeldOutDocuments``: every ``hold_out_every``-th one (``held_out``) or the others.
     """
     split = split_override or getattr(dataset_cfg, "split", None) or "train"
     source = load_documents(dataset_cfg, split)
+    if hold_out_every:
+        source = HeldOutDocuments(source, hold_out_every, held_out)
     return PackedDataLoader(source, tokenizer, seq_len, global_batch_size, dp_rank, dp_degree)

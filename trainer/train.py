@@ -32,7 +32,7 @@ from parallelisms.pipeline import build_pipeline
 from trainer import device as devices
 from trainer.checkpoint import CheckpointError, CheckpointManager, check_checkpoint, latest_checkpoint
 from trainer.config import ConfigError, JobConfig, config_to_toml, load_config, run_with_config_errors, validate_job
-from trainer.data import build_dataloader
+from trainer.data import DatasetError, build_dataloader, has_documents
 from trainer.loss import count_valid_tokens
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.leak_detector import LeakDetector, MemoryLeakError
@@ -83,13 +83,9 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
         global_batch = cfg.training.local_batch_size * dims.dp
     loader_args = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len, global_batch_size=global_batch,
                        dp_rank=dp_rank, dp_degree=dims.dp)
-    try:
-        train_loader = build_dataloader(cfg.dataset, **loader_args)
-        val_loader = None
-        if cfg.validation.enable:
-            val_loader = build_dataloader(_validation_dataset(cfg), **loader_args)
-    except ValueError as e:
-        raise ConfigError("dataset", str(e))
+    hold_out = cfg.validation.hold_out_every if cfg.validation.enable and _holds_out(cfg) else 0
+    train_loader = _build_loader(cfg, loader_args, hold_out, validation=False)
+    val_loader = _build_loader(cfg, loader_args, hold_out, validation=True) if cfg.validation.enable else None
     _check_checkpoints(cfg, spec, model_args)
     return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader)
 
@@ -113,15 +109,54 @@ def _check_checkpoints(cfg: JobConfig, spec, model_args) -> None:
         raise ConfigError("checkpoint", str(e))
 
 
+def _holds_out(cfg: JobConfig) -> bool:
+    """Whether validation reads a held-out part of the training files: local files have no "validation" split."""
+    return bool(cfg.dataset.path) and not cfg.validation.dataset and cfg.validation.split == "validation"
+
+
 def _validation_dataset(cfg: JobConfig):
-    """The [dataset] section with the validation split, or another dataset named by validation.dataset."""
+    """The [dataset] section validation reads: the training files when they hold out a part (`_holds_out`), another
+    dataset named by validation.dataset, or the training dataset's validation split."""
+    if _holds_out(cfg):
+        return cfg.dataset
     ds = dataclasses.replace(cfg.dataset, split=cfg.validation.split)
     if cfg.validation.dataset:
         if os.path.exists(cfg.validation.dataset):
-            ds = dataclasses.replace(ds, path=cfg.validation.dataset)
+            # Local files form the one split "train": the default split name stands for the whole file.
+            split = "train" if cfg.validation.split == "validation" else cfg.validation.split
+            ds = dataclasses.replace(ds, path=cfg.validation.dataset, split=split)
         else:
             ds = dataclasses.replace(ds, name=cfg.validation.dataset, path="")
     return ds
+
+
+def _data_key(cfg: JobConfig, key: str, validation: bool) -> str:
+    """The config key behind a DatasetError's dataset attribute, for the training or the validation loader."""
+    if validation and key == "split" and not _holds_out(cfg):
+        return "validation.split"
+    if validation and key in ("name", "path") and cfg.validation.dataset:
+        return "validation.dataset"
+    return f"dataset.{key}"
+
+
+def _build_loader(cfg: JobConfig, loader_args: dict, hold_out: int, validation: bool):
+    """The training or validation loader, its first document read so that a wrong text field, an unknown dataset
+    or an empty split fails before launch; a DatasetError becomes a ConfigError naming the key at fault."""
+    ds = _validation_dataset(cfg) if validation else cfg.dataset
+    try:
+        loader = build_dataloader(ds, **loader_args, hold_out_every=hold_out, held_out=validation)
+        if has_documents(loader.source):
+            return loader
+    except DatasetError as e:
+        allowed = e.allowed
+        if validation:
+            allowed = ", ".join(filter(None, [allowed, "a validation.dataset, or validation.enable = false"]))
+        raise ConfigError(_data_key(cfg, e.key, validation), e.problem, allowed)
+    problem = f"{loader.source.description}: no documents"
+    if validation and hold_out:
+        raise ConfigError("validation.hold_out_every", f"{problem} (the files hold fewer than {hold_out})",
+                          "at most the number of documents, a validation.dataset, or validation.enable = false")
+    raise ConfigError(_data_key(cfg, "path" if ds.path else "name", validation), problem)
 
 
 class Trainer:
