@@ -62,6 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from parallelisms.moe_comm.base import TokenDispatcher
+from parallelisms.moe_comm.registry import on_register
 
 __all__ = [
     "COLLECTIVE_OPS",
@@ -93,8 +94,8 @@ SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
 class OpRef:
     """One op by qualified name (`namespace.op.overload`), resolved lazily, optionally only when `when` holds.
 
-    Lazy resolution lets the table name ops of libraries that may not be loaded (DeepEP): an op whose namespace
-    is not registered resolves to None and has no effect. `when(args, kwargs)` narrows an op to some calls.
+    Lazy resolution lets the table name ops that a torch build or a library may lack: an op whose namespace is
+    not registered resolves to None and has no effect. `when(args, kwargs)` narrows an op to some calls.
     """
 
     name: str
@@ -126,7 +127,8 @@ def _to_host(args: tuple, kwargs: dict) -> bool:
 
 _SDPA = "aten._scaled_dot_product"
 
-#: Short op names usable in `save_ops`, and the ops (resolved lazily) they stand for.
+#: Short op names usable in `save_ops`, and the ops (resolved lazily) they stand for. Each registered MoE comm
+#: backend adds its own ops (`TokenDispatcher.ac_ops`) when it registers.
 OP_TABLE: dict[str, tuple[OpRef, ...]] = {
     # aten.linear is composite and reaches the dispatcher as mm/addmm in eager; listed for traced graphs.
     "mm": (OpRef("aten.mm.default"), OpRef("aten.addmm.default"), OpRef("aten.bmm.default"),
@@ -143,8 +145,6 @@ OP_TABLE: dict[str, tuple[OpRef, ...]] = {
     "all_gather": (OpRef("_c10d_functional.all_gather_into_tensor.default"),),
     "max": (OpRef("aten.max.default"), OpRef("aten.max.dim"), OpRef("aten.amax.default")),
     "topk": (OpRef("aten.topk.default"),),
-    "deepep_dispatch": (OpRef("deepep.dispatch.default"),),
-    "deepep_combine": (OpRef("deepep.combine.default"),),
     # Saved by every selective policy whether listed or not (see the module docstring).
     "d2h_copy": (OpRef("aten._to_copy.default", when=_to_host),
                  OpRef("aten._local_scalar_dense.default", when=_off_host)),
@@ -154,8 +154,8 @@ OP_TABLE: dict[str, tuple[OpRef, ...]] = {
     "norm": (OpRef("aten._fused_rms_norm.default"),),
 }
 
-#: Save-list names that communicate: kept saved even inside recomputed modules.
-COLLECTIVE_OPS = ("all_to_all", "reduce_scatter", "all_gather", "deepep_dispatch", "deepep_combine")
+#: Save-list names that communicate: kept saved even inside recomputed modules (comm backends add theirs).
+COLLECTIVE_OPS = {"all_to_all", "reduce_scatter", "all_gather"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,14 +197,39 @@ def resolve_ops(name: str) -> list[torch._ops.OpOverload]:
     return [op for op in (ref.resolve() for ref in OP_TABLE[name]) if op is not None]
 
 
-def _kind_index() -> dict[torch._ops.OpOverload, list[tuple[str, Callable | None]]]:
-    index: dict[torch._ops.OpOverload, list[tuple[str, Callable | None]]] = collections.defaultdict(list)
+_KindIndex = dict[torch._ops.OpOverload, list[tuple[str, Callable | None]]]
+
+
+def _kind_index() -> _KindIndex:
+    index: _KindIndex = collections.defaultdict(list)
     for name, refs in OP_TABLE.items():
         for ref in refs:
             op = ref.resolve()
             if op is not None:
                 index[op].append((name, ref.when))
-    return index
+    return dict(index)
+
+
+# op -> OP_TABLE names, built once: `op_kind` runs for every op of every EP block under full AC (forward and
+# recompute), where resolving the whole table per call was costly (docs/activation_checkpointing.md). Rebuilt when
+# a comm backend adds its ops.
+_INDEX: _KindIndex = _kind_index()
+
+
+def _add_backend_ops(backend: type[TokenDispatcher]) -> None:
+    """Registry listener: put a comm backend's ops in OP_TABLE (as collectives) and rebuild the index."""
+    global _INDEX
+    taken = [name for name in backend.ac_ops if name in OP_TABLE]
+    if taken:
+        raise ValueError(f"{backend.__qualname__}.ac_ops: {', '.join(taken)} already in the activation "
+                         "checkpointing op table")
+    for name, qualified in backend.ac_ops.items():
+        OP_TABLE[name] = tuple(OpRef(q) for q in qualified)
+        COLLECTIVE_OPS.add(name)
+    _INDEX = _kind_index()
+
+
+on_register(_add_backend_ops)
 
 
 def _kind_in(index, op, args: tuple, kwargs: dict) -> str | None:
@@ -216,7 +241,7 @@ def _kind_in(index, op, args: tuple, kwargs: dict) -> str | None:
 
 def op_kind(op: torch._ops.OpOverload, args: tuple = (), kwargs: dict | None = None) -> str | None:
     """The OP_TABLE name that `op` called with args/kwargs falls under, or None."""
-    return _kind_in(_kind_index(), op, args, kwargs or {})
+    return _kind_in(_INDEX, op, args, kwargs or {})
 
 
 def _name_problem(ac_cfg) -> tuple[str, str, str] | None:
@@ -441,7 +466,7 @@ class _SelectivePolicy:
         self._resolve()
 
     def _resolve(self) -> None:
-        """Resolve the op names; repeated per forward, so that a library loaded later (DeepEP) takes effect."""
+        """Resolve the op names; repeated per forward, so that a comm backend registered later takes effect."""
         self.save = frozenset(op for name in self.save_names for op in resolve_ops(name))
         self.pinned = frozenset(op for name in self.save_names if name in COLLECTIVE_OPS for op in resolve_ops(name))
         self.host_copies = {ref.resolve(): ref.when for ref in OP_TABLE["d2h_copy"]}
@@ -588,10 +613,9 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
         self.kinds: collections.Counter[str] = collections.Counter()
-        self._index = _kind_index()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.counts[str(func)] += 1
-        self.kinds[_kind_in(self._index, func, args, kwargs) or "other"] += 1
+        self.kinds[op_kind(func, args, kwargs) or "other"] += 1
         return func(*args, **kwargs)

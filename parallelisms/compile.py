@@ -13,7 +13,7 @@ Two shapes of compiled block, chosen per block by whether its token dispatcher c
         layout always has B*S*top_k rows, and the per-expert counts are a device tensor of offsets, so changing
         routing never changes a shape and never recompiles.
 
-    MoE block whose dispatcher synchronises with the host (EP all-to-all: split sizes via `.tolist()`; DeepEP):
+    MoE block whose dispatcher is not traceable (EP backends: host syncs such as the split sizes, collectives):
         the block's children are compiled, each with `fullgraph=True`: attention, the router, the grouped
         experts and the shared experts. `TransformerBlock.forward` (two RMSNorms, residual adds) and
         `MoE.forward` (counting, dispatch, weighting, combine) stay eager, so the host sync and the collectives

@@ -216,9 +216,6 @@ def test_bytes_held_after_forward_shrink_with_more_recompute():
 def test_op_table_resolution():
     assert {torch.ops.aten.mm.default, torch.ops.aten.bmm.default} <= set(resolve_ops("mm"))
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in resolve_ops("attention")
-    # resolved by name when the deepep namespace is registered (another test may have loaded it), else no effect
-    loaded = hasattr(torch.ops.deepep, "dispatch")
-    assert resolve_ops("deepep_dispatch") == ([torch.ops.deepep.dispatch.default] if loaded else [])
     with pytest.raises(ValueError, match="valid names: mm, grouped_mm"):
         resolve_ops("matmul")
 
@@ -230,6 +227,16 @@ def test_ops_of_a_library_loaded_later_resolve_then():
     lib.define("echo(Tensor x) -> Tensor")
     lib.impl("echo", lambda x: x.clone(), "CompositeExplicitAutograd")
     assert ref.resolve() is torch.ops.ac_test_lib.echo.default
+
+
+def test_op_kind_does_not_resolve_the_table_per_call(monkeypatch):
+    # op_kind runs for every op of every EP block under full AC: it reads an index built once
+    resolved = []
+    resolve = OpRef.resolve
+    monkeypatch.setattr(OpRef, "resolve", lambda self: resolved.append(self.name) or resolve(self))
+    assert op_kind(torch.ops.aten.mm.default) == "mm"
+    assert op_kind(torch.ops.aten.add.Tensor) is None
+    assert resolved == []
 
 
 def test_d2h_copy_is_any_copy_into_host_memory():

@@ -7,6 +7,7 @@ checks the real command lines (subprocess, exit code, stderr) for a few of the s
 import hashlib
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -152,6 +153,17 @@ def test_bad_input(tmp_path, capsys, name, extra, world_size, needle):
     dump = tmp_path / "dump"
     args = extra(tmp_path) if callable(extra) else extra
     _expect_one_line_exit_2(BASE + ["--job.dump_folder", str(dump)] + args, world_size, needle, capsys)
+    assert not dump.exists()
+
+
+def test_deepep_on_cuda_without_deep_ep_names_the_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # `import deep_ep` raises ImportError
+    dump = tmp_path / "dump"
+    line = _expect_one_line_exit_2(BASE + ["--job.dump_folder", str(dump), "--parallelism.expert_parallel_degree", "2",
+                                          "--parallelism.expert_parallel_comm_backend", "deepep"],
+                                   2, "parallelism.expert_parallel_comm_backend", capsys)
+    assert "deep_ep cannot be imported" in line and "docs/deepep.md" in line, line
     assert not dump.exists()
 
 

@@ -13,7 +13,8 @@ tests/test_deepep.py jobs.json out.json` under torchrun), which runs
   * host syncs of a 2-layer EP stack per backend and AC mode: one per MoE layer in forward, none in backward
     (except where a recompute reruns a DeepEP dispatch), and two per layer under torch's plain full checkpoint;
   * training parity: `expert_parallel_comm_backend = "deepep"` vs `"alltoall"` through the trainer, with
-    validation (the no_grad path) every step and exact memory tracking.
+    validation (the no_grad path) every step and exact memory tracking, and the backend's metrics in the log;
+  * the log says once per process that the CPU stand-in runs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import logging
 import os
 import sys
 import time
@@ -36,8 +38,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from parallelisms.moe_comm import deepep_cpu  # noqa: E402
-from parallelisms.moe_comm.deepep import HANDLES, HandleRegistry, deepep_available, deepep_metrics  # noqa: E402
+from parallelisms.moe_comm import deepep, deepep_cpu  # noqa: E402
+from parallelisms.moe_comm.deepep import (HANDLES, DeepEPUnavailableError, HandleRegistry,  # noqa: E402
+                                          deepep_available)
 
 STEPS = 4
 PATHS = ("none", "full", "full_early_stop", "sac_saved", "sac_recomputed", "no_grad", "inference_mode",
@@ -53,11 +56,32 @@ TRAIN_KEYS = ("loss", "grad_norm", "validation/loss", "memory/allocated_GiB", "m
 
 # ----------------------------------------------------------------------------------------------- single process
 
-def test_deepep_available_without_cuda():
+def test_deepep_kernels_unavailable_without_cuda():
     ok, why = deepep_available()
     if torch.cuda.is_available():
         pytest.skip("CUDA machine: availability depends on the deep_ep install")
-    assert ok and "stand-in" in why
+    assert not ok and "no CUDA device" in why and "stand-in" in why
+
+
+@pytest.mark.parametrize("backend, standin", [("gloo", True), ("fake", True), ("nccl", False),
+                                              ("cpu:gloo,cuda:nccl", False), ("ucc", None)])
+def test_only_gloo_groups_get_the_standin(monkeypatch, backend, standin):
+    monkeypatch.setattr(deepep.dist, "get_backend", lambda group: backend)
+    if standin is None:
+        with pytest.raises(DeepEPUnavailableError, match="NCCL process group .* got a 'ucc' group"):
+            deepep._uses_standin(object())
+    else:
+        assert deepep._uses_standin(object()) is standin
+
+
+def test_a_cpu_run_passes_the_config_check():
+    from trainer.config import load_config, validate_job
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA machine: a deepep run there needs deep_ep")
+    cfg = load_config(["--parallelism.expert_parallel_degree", "2",
+                       "--parallelism.expert_parallel_comm_backend", "deepep"])
+    assert validate_job(cfg, 2).ep == 2
 
 
 def test_size_hints_follow_deepep_rules():
@@ -167,6 +191,7 @@ def test_ranks(tmp_path, nproc, layout, ep):
         f"{layout}_deepep": ["--parallelism.expert_parallel_degree", ep, "--memory.track", "exact",
                              "--parallelism.expert_parallel_comm_backend", "deepep"],
     }}, tmp_path)
+    assert out["standin_logs"] == [1] * nproc  # every rank says once that the stand-in runs
     for rank_result in out["battery"]:
         assert all(rank_result["api"].values()), rank_result["api"]
         _check_parity(rank_result["parity"])
@@ -243,7 +268,7 @@ def _parity(mesh, rank: int) -> dict:
         layers = {"alltoall": reference, "deepep": copy.deepcopy(reference)}
         outputs = {}
         for backend, moe in layers.items():
-            apply_expert_parallel([moe], mesh, backend)
+            apply_expert_parallel([moe], mesh, backend, args.dim, torch.float32)
             if backend == "deepep" and force_bf16_wire:
                 moe.dispatcher._standin = False  # the real kernels' wire dtype, over the stand-in
             gen = torch.Generator().manual_seed(100 + rank)
@@ -279,9 +304,8 @@ def _build(mesh, path: str, backend: str = "deepep"):
     model = _Stack(args, n_layers=2)
     _init(model, 0)
     moes = [layer.moe for layer in model.layers.values()]
-    apply_expert_parallel(moes, mesh, backend)
-    if backend == "deepep":
-        moes[0].dispatcher.prepare(args.dim, torch.float32)  # eagerly, before tracking: not an activation
+    # sets the DeepEP buffer up eagerly, before tracking: not an activation
+    apply_expert_parallel(moes, mesh, backend, args.dim, torch.float32)
     ac = {"full": _ac_config("full"), "full_early_stop": _ac_config("full", early_stop=True),
           "sac_saved": _ac_config("selective"), "sac_recomputed": _ac_config("selective", save_deepep=False)}
     if path in ac:
@@ -537,17 +561,8 @@ def _train(jobs: dict) -> dict:
 
     from trainer.config import load_config
     from trainer.memory import MemoryMonitor
-    from trainer.metrics import MetricLogger
     from trainer.train import run
 
-    log = MetricLogger.log
-
-    def log_with_deepep(self, step, scalars):
-        # what the trainer will log once integrated; history gets the same dict
-        scalars.update(deepep_metrics())
-        return log(self, step, scalars)
-
-    MetricLogger.log = log_with_deepep
     step_end = MemoryMonitor.step_end
 
     def settled_step_end(self):
@@ -568,12 +583,29 @@ def _worker(jobs_path: str, out_path: str) -> None:
     import torch.distributed as dist
     from dist_worker import worker_session
 
+    standin_logs = _StandinLogCounter()
     with worker_session(jobs_path, out_path) as (jobs, out):
         if jobs.get("battery"):
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, _battery(dist.get_rank()))
             out["battery"] = gathered
         out["train"] = _train(jobs.get("train", {}))
+        out["standin_logs"] = [None] * dist.get_world_size()
+        dist.all_gather_object(out["standin_logs"], standin_logs.count)
+
+
+class _StandinLogCounter(logging.Handler):
+    """Counts the DeepEP backend's "using the CPU stand-in" log records of this process (every rank, INFO)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        source = logging.getLogger(deepep.__name__)
+        source.setLevel(logging.INFO)  # other ranks' root logger drops INFO
+        source.addHandler(self)
+
+    def emit(self, record):
+        self.count += "CPU stand-in" in record.getMessage()
 
 
 if __name__ == "__main__":

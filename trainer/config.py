@@ -38,6 +38,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
+from parallelisms.moe_comm.registry import COMM_BACKENDS, backend_save_ops, get_comm_backend
+
 if TYPE_CHECKING:
     from parallelisms.parallel_dims import ParallelDims
 
@@ -244,8 +246,9 @@ class ParallelismSection:
     """FSDP shard degree; -1 = all ranks left after data_parallel_replicate_degree and pipeline_parallel_degree."""
     expert_parallel_degree: int = _opt(1, ge=1)
     """Ranks that split the routed experts between them; must divide data_parallel_shard_degree."""
-    expert_parallel_comm_backend: str = _opt("alltoall", choices=["alltoall", "deepep"])
-    """How tokens travel to their experts: all_to_all_single collectives, or DeepEP kernels (CUDA only)."""
+    expert_parallel_comm_backend: str = _opt("alltoall", choices=COMM_BACKENDS)
+    """How tokens travel to their experts: a comm backend registered in parallelisms/moe_comm/ (alltoall =
+    all_to_all_single collectives; each backend's doc is listed in docs/parallelism.md)."""
     pipeline_parallel_degree: int = _opt(1, ge=1)
     """Number of ranks the model is split across as a pipeline (the pipeline depth)."""
     pipeline_parallel_schedule: str = _opt(
@@ -278,22 +281,11 @@ class ActivationCheckpointSection:
     every layer_freq-th block fully."""
     layer_freq: int = _opt(2, ge=1)
     """With granularity=layer, checkpoint every n-th block."""
-    save_ops: list[str] = _opt(
-        [
-            "mm",
-            "grouped_mm",
-            "attention",
-            "all_to_all",
-            "reduce_scatter",
-            "max",
-            "topk",
-            "deepep_dispatch",
-            "deepep_combine",
-            "d2h_copy",
-        ]
-    )
+    save_ops: list[str] = field(default_factory=lambda: [
+        "mm", "grouped_mm", "attention", "all_to_all", "reduce_scatter", "max", "topk", *backend_save_ops(),
+        "d2h_copy"])
     """Op names whose outputs selective op-level checkpointing saves instead of recomputing (expensive
-    compute, collectives, EP dispatch/combine and host copies)."""
+    compute, collectives, the registered comm backends' dispatch/combine ops and host copies)."""
     force_recompute_modules: list[str] = _opt(["moe.router.gate"])
     """Module names whose matmuls are recomputed even though mm is in save_ops."""
     recompute_modules: list[str] = _opt([])
@@ -900,8 +892,9 @@ def validate_job(cfg: JobConfig, world_size: int) -> "ParallelDims":
             f"-1 or a multiple of {per_step}",
         )
 
-    if par.expert_parallel_comm_backend == "deepep":
-        _validate_deepep(cfg, dims)
+    comm_problem = get_comm_backend(par.expert_parallel_comm_backend).config_problem(cfg, dims)
+    if comm_problem is not None:
+        raise ConfigError(*comm_problem)
 
     fqns = par.pipeline_parallel_module_fqns_per_stage
     if not dims.pp_enabled:
@@ -939,25 +932,6 @@ def validate_job(cfg: JobConfig, world_size: int) -> "ParallelDims":
     if ac_problem is not None:
         raise ConfigError(*ac_problem)
     return dims
-
-
-def _validate_deepep(cfg: JobConfig, dims) -> None:
-    """DeepEP needs EP > 1, an installed deep_ep on CUDA machines, both of its ops saved or neither, no compile."""
-    from parallelisms.moe_comm.deepep import deepep_available
-
-    key = "parallelism.expert_parallel_comm_backend"
-    if not dims.ep_enabled:
-        raise ConfigError(key, "deepep needs parallelism.expert_parallel_degree > 1", "alltoall with EP = 1")
-    ok, why = deepep_available()
-    if not ok:
-        raise ConfigError(key, why, "alltoall, or install deep_ep (see docs/deepep.md)")
-    save = set(cfg.activation_checkpoint.save_ops)
-    if cfg.activation_checkpoint.mode == "selective" and ("deepep_dispatch" in save) != ("deepep_combine" in save):
-        raise ConfigError("activation_checkpoint.save_ops", "saves only one of deepep_dispatch / deepep_combine; "
-                          "a recomputed dispatch needs its combine recomputed too", "both or neither")
-    if cfg.compile.enable and "model" in cfg.compile.components:
-        raise ConfigError("compile.components", "the DeepEP custom ops cannot be traced by torch.compile yet",
-                          "[\"loss\"] with deepep, or expert_parallel_comm_backend = alltoall")
 
 
 def _validate_pipeline(cfg: JobConfig, pp: int) -> None:

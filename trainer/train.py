@@ -28,6 +28,7 @@ from parallelisms.activation_checkpoint import save_ops_warning
 from parallelisms.clip import clip_grad_norm_
 from parallelisms.compile import compile_loss
 from parallelisms.mesh import build_meshes
+from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.pipeline import build_pipeline
 from trainer import device as devices
 from trainer.checkpoint import CheckpointError, CheckpointManager, check_checkpoint, latest_checkpoint
@@ -354,10 +355,9 @@ class Trainer:
                 if self.val_loader is not None and step % cfg.validation.freq == 0:
                     scalars["validation/loss"] = self.validate()
                     logger.info("step %d validation loss %.4f", step, scalars["validation/loss"])
-                if cfg.parallelism.expert_parallel_comm_backend == "deepep" and self.dims.ep_enabled:
-                    from parallelisms.moe_comm.deepep import deepep_metrics
-
-                    scalars.update(deepep_metrics())  # live handles must be 0 at every step end
+                if self.dims.ep_enabled:
+                    # the comm backend's own scalars, measured now (e.g. handles alive past the step)
+                    scalars.update(get_comm_backend(cfg.parallelism.expert_parallel_comm_backend).metrics())
                 self.metrics.log(step, scalars)
                 if history is not None:
                     history.append(scalars)

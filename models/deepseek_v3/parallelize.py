@@ -21,12 +21,9 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job_config)
     """Parallelize `model` in place for the degrees in `parallel_dims` and return it."""
     par = job_config.parallelism
     if parallel_dims.ep_enabled:
-        apply_expert_parallel(model.moe_layers(), meshes.ep, par.expert_parallel_comm_backend)
-        if par.expert_parallel_comm_backend == "deepep":
-            # one buffer per EP group, created now: never lazily inside a checkpointed region (torchtitan #2505)
-            dtype = torch.bfloat16 if job_config.training.dtype == "bfloat16" else torch.float32
-            for moe in model.moe_layers():
-                moe.dispatcher.prepare(moe.experts.w1.shape[-1], dtype)
+        # the backend's comm state is created here: never lazily inside a checkpointed region (torchtitan #2505)
+        dtype = torch.bfloat16 if job_config.training.dtype == "bfloat16" else torch.float32
+        apply_expert_parallel(model.moe_layers(), meshes.ep, par.expert_parallel_comm_backend, model.args.dim, dtype)
     apply_ac(model, job_config.activation_checkpoint)
     apply_compile(model, job_config.compile)
     if parallel_dims.dp_enabled:

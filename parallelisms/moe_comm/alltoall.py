@@ -18,6 +18,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from parallelisms.moe_comm.base import Dispatched, TokenDispatcher, host_list
+from parallelisms.moe_comm.registry import register_comm_backend
 
 
 class AllToAllState(NamedTuple):
@@ -37,6 +38,7 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+@register_comm_backend("alltoall")
 class AllToAllDispatcher(TokenDispatcher):
     """Token dispatcher over an EP group of `ep` ranks; experts are split evenly and contiguously."""
 

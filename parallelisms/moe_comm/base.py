@@ -8,7 +8,7 @@ second pipeline microbatch cannot overwrite the state of another call.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -30,7 +30,14 @@ class Dispatched(NamedTuple):
 
 
 class TokenDispatcher:
-    """Base class of the communication backends. Stateless between calls."""
+    """Base class of the communication backends. Stateless between calls.
+
+    An expert-parallel backend registers itself by name (`parallelisms.moe_comm.registry`) and is built as
+    `cls(group, num_experts)` for every MoE layer, with `group` the EP process group. Besides `dispatch` and
+    `combine` it may override the lifecycle hooks below (defaults: nothing to do): `setup` (process-wide state
+    such as comm buffers, before the first forward), `ac_ops` (its ops, for selective activation checkpointing),
+    `metrics` (scalars the trainer logs every step) and `config_problem` (config checks before launch).
+    """
 
     #: number of experts that live on this rank (set by the backend from the EP degree)
     num_local_experts: int
@@ -41,6 +48,32 @@ class TokenDispatcher:
     #: whether `dispatch` may return rows past sum(counts_E) (padding); the experts then mask those rows, which
     #: costs a pass over the rows in forward and in backward. True is the safe default for a new backend.
     padded_rows: bool = True
+    #: Ops this backend dispatches that selective activation checkpointing may save, as op-table names (usable in
+    #: `activation_checkpoint.save_ops`) -> qualified op names (`namespace.op.overload`). They communicate, so a
+    #: listed one stays saved inside recomputed modules too. They are in the default save_ops.
+    ac_ops: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def setup(self, hidden_dim: int, dtype: torch.dtype) -> None:
+        """Create process-wide state (comm buffers) for tokens of `hidden_dim` computed in `dtype`.
+
+        Called for every MoE layer's dispatcher after expert parallelism is applied, before the first forward and
+        outside any activation-checkpointed region (ops run there would enter the SAC cache); must be cheap when
+        the state already fits. Collective over the EP group when it creates something.
+        """
+
+    @classmethod
+    def metrics(cls) -> dict[str, float]:
+        """Scalars the trainer logs at the end of every step (measured now, process-wide)."""
+        return {}
+
+    @classmethod
+    def config_problem(cls, job_config, parallel_dims) -> tuple[str, str, str] | None:
+        """The first reason this backend cannot run the job, as (config key, problem, allowed values), or None.
+
+        Runs in preflight and in every rank before any process-group work: check what needs neither the model nor
+        a process group (`parallel_dims` holds the resolved degrees).
+        """
+        return None
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                  num_tokens_per_expert: torch.Tensor) -> Dispatched:

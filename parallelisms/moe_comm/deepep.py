@@ -10,11 +10,16 @@ Path of the tokens (one MoE layer, EP group of R ranks, E experts, E/R local):
 
 Three pieces of process-wide state, each behind one owner:
   * `BufferManager` (`BUFFERS`): the DeepEP buffer of the EP group, sized from DeepEP's own hints, created
-    eagerly by `DeepEPDispatcher.prepare` (or lazily, outside every dispatch mode, on first use).
+    eagerly by `DeepEPDispatcher.setup` (or lazily, outside every dispatch mode, on first use).
   * `HandleRegistry` (`HANDLES`): DeepEP handles between a dispatch and its combine, keyed by an int id that
     travels through the custom ops as a CPU int64 tensor (ops pass only tensors).
-  * the custom ops `deepep::dispatch` / `deepep::combine`, named so that selective activation checkpointing can
-    save them ("deepep_dispatch" / "deepep_combine" in parallelisms/activation_checkpoint.py).
+  * the custom ops `deepep::dispatch` / `deepep::combine`, which the backend contributes to the activation
+    checkpointing op table as "deepep_dispatch" / "deepep_combine" (`DeepEPDispatcher.ac_ops`), so that selective
+    AC can save them.
+
+Where it runs: with the real `deep_ep.Buffer` on NCCL groups (a CUDA run; without an importable `deep_ep` the
+config check stops the run before launch), and with the CPU stand-in `deepep_cpu.Buffer` on gloo groups (a CPU
+run; the log says so once). Other process-group backends are refused.
 
 Handle lifecycle (docs/deepep.md has the history, torchtitan #2273/#2296): a registry entry lives from a dispatch
 to its combine, never longer, and the autograd graph owns the handle after that.
@@ -46,35 +51,44 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from parallelisms.moe_comm import deepep_cpu
 from parallelisms.moe_comm.base import Dispatched, TokenDispatcher
+from parallelisms.moe_comm.registry import register_comm_backend
 
 __all__ = ["BUFFERS", "HANDLES", "BufferManager", "DeepEPDispatcher", "DeepEPState", "DeepEPUnavailableError",
-           "HandleRegistry", "deepep_available", "deepep_metrics"]
+           "HandleRegistry", "deepep_available"]
 
 logger = logging.getLogger(__name__)
 
 
 class DeepEPUnavailableError(RuntimeError):
-    """DeepEP was asked for on a CUDA group but `deep_ep` cannot be imported."""
+    """DeepEP's kernels were asked for but `deep_ep` cannot be imported, or the group's backend has no DeepEP."""
 
 
 def deepep_available() -> tuple[bool, str]:
-    """Whether the DeepEP backend can run on this machine, and a one-line reason.
-
-    With CUDA the real `deep_ep` package is needed; without CUDA the CPU stand-in is used (gloo, tests only).
-    """
+    """Whether DeepEP's real kernels can run on this machine (a CUDA device and an importable `deep_ep`), and a
+    one-line reason. Without them, only gloo (CPU) runs can use this backend, through the stand-in."""
     if not torch.cuda.is_available():
-        return True, "no CUDA device: the CPU stand-in parallelisms/moe_comm/deepep_cpu.py replaces deep_ep"
+        return False, "no CUDA device (a CPU run uses the stand-in parallelisms/moe_comm/deepep_cpu.py instead)"
     try:
         import deep_ep
     except (ImportError, OSError) as e:
-        return False, (f"deep_ep cannot be imported ({e}); build DeepEP from source with NVSHMEM "
-                       "(docs/deepep.md) or use expert_parallel_comm_backend = \"alltoall\"")
+        return False, (f"deep_ep cannot be imported ({e}); install DeepEP: build it from source with NVSHMEM, "
+                       "see docs/deepep.md")
     return True, f"deep_ep {getattr(deep_ep, '__version__', '(version unknown)')}"
 
 
+#: process-group backends served by the stand-in: gloo (CPU runs) and the dry run's fake group (nothing runs)
+_STANDIN_GROUP_BACKENDS = ("gloo", "fake")
+
+
 def _uses_standin(group) -> bool:
-    """The stand-in serves gloo (CPU) groups; NCCL groups need the real kernels."""
-    return "nccl" not in str(dist.get_backend(group))
+    """NCCL groups use the real kernels, gloo groups the CPU stand-in; any other backend is refused."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend:
+        return False
+    if backend in _STANDIN_GROUP_BACKENDS:
+        return True
+    raise DeepEPUnavailableError(f"DeepEP needs an NCCL process group (or gloo, for its CPU stand-in), got a "
+                                 f"{backend!r} group")
 
 
 # ----------------------------------------------------------------------------------------------- the buffer
@@ -116,10 +130,12 @@ class BufferManager:
             self._sized_for = (key, hidden_bytes)
             return current
         if lazy:
-            logger.warning("DeepEP buffer created inside a forward pass; call DeepEPDispatcher.prepare() before "
+            logger.warning("DeepEP buffer created inside a forward pass; call DeepEPDispatcher.setup() before "
                            "training to create it once, outside activation checkpointing")
         if buffer_cls is deepep_cpu.Buffer and not self._logged_standin:
-            logger.info("DeepEP backend: no CUDA group, using the CPU stand-in (parallelisms/moe_comm/deepep_cpu.py)")
+            logger.info("DeepEP backend on a %s process group: using the CPU stand-in "
+                        "parallelisms/moe_comm/deepep_cpu.py (DeepEP's Buffer interface over gloo collectives, "
+                        "not DeepEP's kernels)", dist.get_backend(group))
             self._logged_standin = True
         self.close()
         with _disable_current_modes(), torch.no_grad():
@@ -218,12 +234,6 @@ BUFFERS = BufferManager()
 HANDLES = HandleRegistry()
 
 
-def deepep_metrics() -> dict[str, float]:
-    """Scalars for the trainer's log: live handles (0 at every step end) and the DeepEP buffer's bytes."""
-    return {"moe/live_handles": float(HANDLES.live_handles()),
-            "memory/deepep_buffer_bytes": float(BUFFERS.nbytes())}
-
-
 # ----------------------------------------------------------------------------------------------- the custom ops
 
 @torch.library.custom_op("deepep::dispatch", mutates_args=())
@@ -315,12 +325,42 @@ class DeepEPState:
     wire_dtype: torch.dtype
 
 
+@register_comm_backend("deepep")
 class DeepEPDispatcher(TokenDispatcher):
     """TokenDispatcher over DeepEP's normal kernels; experts split evenly and contiguously over the EP group.
 
     Wire dtype: bf16 with the real kernels (DeepEP's requirement), outputs cast back to the caller's dtype. The CPU
     stand-in also carries fp32 unchanged, so an fp32 model gives the all-to-all backend's numbers.
     """
+
+    ac_ops = {"deepep_dispatch": ("deepep.dispatch.default",), "deepep_combine": ("deepep.combine.default",)}
+
+    @classmethod
+    def metrics(cls) -> dict[str, float]:
+        """Live handles (0 at every step end) and the bytes of the DeepEP buffer (allocated outside PyTorch)."""
+        return {"moe/live_handles": float(HANDLES.live_handles()),
+                "memory/deepep_buffer_bytes": float(BUFFERS.nbytes())}
+
+    @classmethod
+    def config_problem(cls, job_config, parallel_dims) -> tuple[str, str, str] | None:
+        """DeepEP needs EP > 1, an importable deep_ep on a CUDA machine, both of its ops saved or neither, no
+        compiled model."""
+        key = "parallelism.expert_parallel_comm_backend"
+        if not parallel_dims.ep_enabled:
+            return key, "deepep needs parallelism.expert_parallel_degree > 1", "alltoall with EP = 1"
+        # the trainer runs on CUDA + NCCL whenever CUDA is visible (trainer/device.py), and on gloo otherwise
+        if torch.cuda.is_available():
+            ok, why = deepep_available()
+            if not ok:
+                return key, f"deepep on a CUDA machine: {why}", "alltoall, or deepep once deep_ep is installed"
+        ac = job_config.activation_checkpoint
+        if ac.mode == "selective" and ("deepep_dispatch" in ac.save_ops) != ("deepep_combine" in ac.save_ops):
+            return ("activation_checkpoint.save_ops", "saves only one of deepep_dispatch / deepep_combine; a "
+                    "recomputed dispatch needs its combine recomputed too", "both or neither")
+        if job_config.compile.enable and "model" in job_config.compile.components:
+            return ("compile.components", "the DeepEP custom ops cannot be traced by torch.compile yet",
+                    "[\"loss\"] with deepep, or expert_parallel_comm_backend = alltoall")
+        return None
 
     def __init__(self, group, num_experts: int):
         self.group = group
@@ -338,11 +378,11 @@ class DeepEPDispatcher(TokenDispatcher):
             return dtype
         return torch.bfloat16
 
-    def prepare(self, hidden: int, dtype: torch.dtype) -> None:
-        """Create the DeepEP buffer now (collective over the EP group): call once before training, outside any
-        activation-checkpointed region. `hidden` is the model dim, `dtype` its compute dtype."""
+    def setup(self, hidden_dim: int, dtype: torch.dtype) -> None:
+        """Create the DeepEP buffer of the EP group now (collective over the group), sized for rows of `hidden_dim`
+        in this dtype's wire dtype; a no-op when the buffer already fits."""
         wire = self.wire_dtype(dtype)
-        BUFFERS.get(self.group, hidden * max(wire.itemsize, 2))
+        BUFFERS.get(self.group, hidden_dim * max(wire.itemsize, 2))
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK, num_tokens_per_expert):
         # num_tokens_per_expert is not needed: DeepEP's layout kernel counts on the device itself
