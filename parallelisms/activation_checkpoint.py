@@ -62,7 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from parallelisms.moe_comm.base import TokenDispatcher
-from parallelisms.moe_comm.registry import on_register
+from parallelisms.moe_comm.registry import COMM_BACKENDS, on_register
 
 __all__ = [
     "COLLECTIVE_OPS",
@@ -314,14 +314,17 @@ def _inert_save_ops(save_ops: Sequence[str], device_type: str, dtype: str, ep_de
                                 "softmax as 'softmax', no fused attention op runs")
     if device_type == "cpu":
         reasons["norm"] = "on CPU nn.RMSNorm decomposes into pow/mean/rsqrt/mul; the fused kernel is CUDA's"
+    chosen = COMM_BACKENDS.get(comm_backend)
     if ep_degree == 1:
         reasons["all_to_all"] = "no expert parallelism (parallelism.expert_parallel_degree = 1) exchanges no tokens"
-    elif comm_backend == "deepep":
-        reasons["all_to_all"] = "DeepEP moves the tokens (deepep_dispatch / deepep_combine), not all_to_all"
-    if ep_degree == 1 or comm_backend != "deepep":
-        for name in ("deepep_dispatch", "deepep_combine"):
-            reasons[name] = (f"parallelism.expert_parallel_comm_backend = {comm_backend!r} with "
-                             f"expert_parallel_degree = {ep_degree} runs no DeepEP op")
+    elif chosen is not None and not chosen.uses_all_to_all:
+        reasons["all_to_all"] = (f"the {comm_backend!r} comm backend moves the tokens with its own ops "
+                                 f"({' / '.join(chosen.ac_ops)}), not all_to_all")
+    for backend, cls in COMM_BACKENDS.items():
+        if ep_degree == 1 or backend != comm_backend:
+            for name in cls.ac_ops:
+                reasons[name] = (f"parallelism.expert_parallel_comm_backend = {comm_backend!r} with "
+                                 f"expert_parallel_degree = {ep_degree} runs no {backend!r} op")
     return [(name, reasons[name]) for name in save_ops if name in reasons]
 
 

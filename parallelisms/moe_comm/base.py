@@ -52,6 +52,9 @@ class TokenDispatcher:
     #: `activation_checkpoint.save_ops`) -> qualified op names (`namespace.op.overload`). They communicate, so a
     #: listed one stays saved inside recomputed modules too. They are in the default save_ops.
     ac_ops: ClassVar[dict[str, tuple[str, ...]]] = {}
+    #: whether tokens travel through torch.distributed's all_to_all (the op table's "all_to_all"); a backend with
+    #: kernels of its own sets False, so that a save_ops naming all_to_all is reported as saving nothing.
+    uses_all_to_all: ClassVar[bool] = True
 
     def setup(self, hidden_dim: int, dtype: torch.dtype) -> None:
         """Create process-wide state (comm buffers) for tokens of `hidden_dim` computed in `dtype`.

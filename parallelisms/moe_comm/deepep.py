@@ -334,6 +334,7 @@ class DeepEPDispatcher(TokenDispatcher):
     """
 
     ac_ops = {"deepep_dispatch": ("deepep.dispatch.default",), "deepep_combine": ("deepep.combine.default",)}
+    uses_all_to_all = False
 
     @classmethod
     def metrics(cls) -> dict[str, float]:
