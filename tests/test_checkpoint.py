@@ -1,9 +1,11 @@
 """Checkpointing: exact resume, reshard across layouts, atomic saves, restart after a killed rank, NaN policy."""
 
+import logging
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -53,7 +55,7 @@ def test_resume_is_exact_and_data_neither_repeats_nor_skips(tmp_path, monkeypatc
     assert any(k.endswith("moe.expert_bias") for k in a)
 
 
-def test_interrupted_save_is_never_picked_and_keep_latest_k(tmp_path):
+def test_interrupted_save_is_never_picked_and_keep_latest_k(tmp_path, caplog):
     run(_cfg(tmp_path, "--training.steps", "10", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2"))
     folder = tmp_path / "checkpoint"
     assert list_checkpoints(folder) == [8, 10]
@@ -61,8 +63,17 @@ def test_interrupted_save_is_never_picked_and_keep_latest_k(tmp_path):
     shutil.copytree(folder / "step-10", folder / "step-12.tmp")
     os.makedirs(folder / "step-14")
     assert list_checkpoints(folder) == [8, 10]
-    resumed = run(_cfg(tmp_path, "--training.steps", "11", "--checkpoint.interval", "2"))
+    args = ["--training.steps", "11", "--checkpoint.interval", "2"]
+    # run_train.sh runs preflight, then the trainer: the skipped folders are named once, by the trainer
+    preflight = subprocess.run([sys.executable, "-m", "trainer.preflight", *BASE, "--job.dump_folder", str(tmp_path),
+                                *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert preflight.returncode == 0 and preflight.stderr == "", preflight.stderr
+    caplog.set_level(logging.INFO)
+    resumed = run(_cfg(tmp_path, *args))
     assert len(resumed) == 1  # continued after step 10
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert skipped == [f"checkpoint: skipped step-12.tmp (an unfinished save), step-14 (no .metadata) in {folder}; "
+                       "resuming from step-10"]
 
 
 def test_model_only_last_save_in_bf16(tmp_path):
