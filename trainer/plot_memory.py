@@ -71,18 +71,16 @@ def _rank_dirs(run_dir: str) -> dict[int, str]:
 
 
 def find_run(path: str, run: str | None = None) -> str:
-    """The run folder to read: ``path`` itself when it is a run folder (it holds event files or ``rank_<r>``
-    folders), else the run ``run`` (default: the latest) of ``path/tb`` or of ``path`` as the tb folder.
+    """The run folder to read: the run ``run`` (default: the latest) of ``path/tb`` or of ``path`` as the tb
+    folder, else ``path`` itself when it is a run folder (it holds event files or ``rank_<r>`` folders).
 
     Raises FileNotFoundError with a one-line message naming what was looked for and the runs there are.
     """
-    if _rank_dirs(path):
-        if run is not None:
-            raise FileNotFoundError(f"{path} is a run folder already: --run {run} applies to a dump or tb folder")
-        return path
     tb = os.path.join(path, "tb") if os.path.isdir(os.path.join(path, "tb")) else path
     runs = run_dirs(tb)
     if not runs:
+        if _rank_dirs(path) and run is None:
+            return path
         raise FileNotFoundError(f"no tensorboard runs in {path}: expected a dump folder (with tb/<run id>/), its tb "
                                 f"folder or a run folder")
     if run is None:
