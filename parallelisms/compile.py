@@ -36,7 +36,11 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-__all__ = ["apply_compile", "compile_loss", "compiled_modules"]
+__all__ = ["SECONDS_PER_GRAPH", "apply_compile", "compile_loss", "compiled_modules", "first_compile"]
+
+SECONDS_PER_GRAPH = 15
+"""Cold compile time of one graph (forward + backward), measured on the 2-core CPU dev machine: 35-45 s for the
+debug model's three graphs (docs/compile.md). Only for the estimate the trainer logs before the first step."""
 
 
 def apply_compile(model: nn.Module, compile_cfg) -> nn.Module:
@@ -70,6 +74,27 @@ def apply_compile(model: nn.Module, compile_cfg) -> nn.Module:
 def compiled_modules(model: nn.Module) -> list[str]:
     """Names of the modules of `model` that `apply_compile` compiled (for logs and tests)."""
     return [name for name, module in model.named_modules() if getattr(module, "_compiled_call_impl", None)]
+
+
+def first_compile(models: list[nn.Module]) -> tuple[int, int]:
+    """(blocks holding compiled code, distinct graphs their first call compiles) of the model parts of one process
+    after `apply_compile`.
+
+    An estimate for the log. Compiled modules share a graph when they run the same code with the same structure
+    (a dense and an MoE block differ; so do a checkpointed and a plain block) and the same activation-checkpoint
+    `context_fn` object: selective AC gives every block its own policy, which dynamo guards by identity.
+    """
+    blocks = sum(any(getattr(m, "_compiled_call_impl", None) for m in block.modules())
+                 for model in models for block in _blocks(model))
+    graphs = set()
+    for module in (m for model in models for m in model.modules()):
+        if getattr(module, "_compiled_call_impl", None) is None:
+            continue
+        wrapped = isinstance(module, CheckpointWrapper)
+        inner = module._checkpoint_wrapped_module if wrapped else module
+        context_fn = module.checkpoint_fn.keywords.get("context_fn") if wrapped else None
+        graphs.add((type(module), type(inner), getattr(inner, "moe_enabled", None), context_fn))
+    return blocks, len(graphs)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

@@ -1,9 +1,11 @@
 """Checkpointing: exact resume, reshard across layouts, atomic saves, restart after a killed rank, NaN policy."""
 
+import logging
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -111,7 +113,7 @@ def test_lr_schedule_state_is_its_position_and_names_what_changed():
     assert plain.resume_changes == []
 
 
-def test_interrupted_save_is_never_picked_and_keep_latest_k(tmp_path):
+def test_interrupted_save_is_never_picked_and_keep_latest_k(tmp_path, caplog):
     run(_cfg(tmp_path, "--training.steps", "10", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2"))
     folder = tmp_path / "checkpoint"
     assert list_checkpoints(folder) == [8, 10]
@@ -119,8 +121,17 @@ def test_interrupted_save_is_never_picked_and_keep_latest_k(tmp_path):
     shutil.copytree(folder / "step-10", folder / "step-12.tmp")
     os.makedirs(folder / "step-14")
     assert list_checkpoints(folder) == [8, 10]
-    resumed = run(_cfg(tmp_path, "--training.steps", "11", "--checkpoint.interval", "2"))
+    args = ["--training.steps", "11", "--checkpoint.interval", "2"]
+    # run_train.sh runs preflight, then the trainer: the skipped folders are named once, by the trainer
+    preflight = subprocess.run([sys.executable, "-m", "trainer.preflight", *BASE, "--job.dump_folder", str(tmp_path),
+                                *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert preflight.returncode == 0 and preflight.stderr == "", preflight.stderr
+    caplog.set_level(logging.INFO)
+    resumed = run(_cfg(tmp_path, *args))
     assert len(resumed) == 1  # continued after step 10
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert skipped == [f"checkpoint: skipped step-12.tmp (an unfinished save), step-14 (no .metadata) in {folder}; "
+                       "resuming from step-10"]
 
 
 def test_model_only_last_save_in_bf16(tmp_path):
@@ -186,7 +197,7 @@ def test_reshard_save_at_fsdp2_ep2_resume_at_fsdp4_one_rank_and_pp2(tmp_path):
 
 @pytest.mark.slow
 def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path):
-    from trainer.metrics import read_scalars
+    from trainer.metrics import read_scalars, run_dirs
 
     from dist_utils import launch
 
@@ -212,5 +223,6 @@ def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, output[-4000:]
     assert "resumed from" in output
-    losses = dict(read_scalars(str(dump / "tb"))["loss"])  # the restarted run re-logs steps 5..8
+    # every (re)start is its own tensorboard run: the restarted one logs the steps after its checkpoint, up to 8
+    losses = dict(read_scalars(run_dirs(str(dump / "tb"))[-1])["loss"])
     assert losses[8] == pytest.approx(reference[-1], rel=1e-6)

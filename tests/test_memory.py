@@ -1,5 +1,9 @@
 """Tests of MemoryMonitor: exact CPU accounting (leaks, per-step peak, breakdown), the off mode and the CUDA path."""
 
+import logging
+import os
+import subprocess
+
 import pytest
 import torch
 import torch.nn as nn
@@ -142,15 +146,29 @@ def test_gradient_accumulation_calls_model_twice_per_step():
     assert deltas(stats) == [0] * 2
 
 
-def test_off_mode_returns_zeros():
+def rss_bytes() -> int:
+    """This process's resident set size, read independently of trainer.memory (ps reports KiB)."""
+    return int(subprocess.run(["ps", "-o", "rss=", "-p", str(os.getpid())], capture_output=True, text=True,
+                              check=True).stdout) * 1024
+
+
+@pytest.mark.parametrize("mode, compiled, why", [("off", False, "memory.track = off"),
+                                                 ("auto", True, "compile.enable = true")])
+def test_off_mode_measures_only_rss_and_says_why(caplog, mode, compiled, why):
+    caplog.set_level(logging.INFO, logger="trainer.memory")
     model, optimizer = make_mlp()
-    monitor = MemoryMonitor("cpu", mode="off")
+    monitor = MemoryMonitor("cpu", mode=mode, compiled=compiled)
+    assert monitor.mode == "off"
+    assert len(caplog.messages) == 1 and why in caplog.messages[0] and "only the process RSS" in caplog.messages[0]
     monitor.track(model, optimizer)
     with monitor:
         train_step(model, optimizer)
         stats = monitor.step_end()
-    assert stats == MemoryStats()
-    assert all(v == 0 for v in MemoryMonitor.to_scalars(stats).values())
+        reference = rss_bytes()
+    # nothing but the RSS was measured, so nothing else may look like a measurement (no zeros)
+    assert stats == MemoryStats(rss_bytes=stats.rss_bytes)
+    assert stats.rss_bytes == pytest.approx(reference, rel=0.05)
+    assert MemoryMonitor.to_scalars(stats) == {"memory/rss_GiB": stats.rss_bytes / 2**30}
 
 
 def test_to_scalars_keys_and_units():
@@ -158,6 +176,7 @@ def test_to_scalars_keys_and_units():
         allocated_bytes=1 << 30,
         peak_bytes=3 << 29,
         reserved_bytes=2 << 30,
+        rss_bytes=1 << 28,
         num_alloc_retries=2,
         num_ooms=1,
         breakdown={"parameters": 1 << 29, "activations": 1 << 29},
@@ -167,6 +186,7 @@ def test_to_scalars_keys_and_units():
         "memory/allocated_GiB": 1.0,
         "memory/peak_allocated_GiB": 1.5,
         "memory/reserved_GiB": 2.0,
+        "memory/rss_GiB": 0.25,
         "memory/num_alloc_retries": 2.0,
         "memory/num_ooms": 1.0,
         "memory/breakdown/parameters_GiB": 0.5,
@@ -175,11 +195,15 @@ def test_to_scalars_keys_and_units():
     }
 
 
-def test_reserved_on_cpu_is_process_rss():
+def test_cpu_exact_measures_rss_and_has_no_allocator_fields():
     with MemoryMonitor("cpu") as monitor:
         stats = monitor.step_end()
-    assert stats.reserved_bytes > stats.allocated_bytes
-    assert (stats.num_alloc_retries, stats.num_ooms) == (0, 0)
+        reference = rss_bytes()
+    assert stats.rss_bytes == pytest.approx(reference, rel=0.05)
+    assert (stats.reserved_bytes, stats.num_alloc_retries, stats.num_ooms) == (None, None, None)
+    scalars = MemoryMonitor.to_scalars(stats)
+    assert not {"memory/reserved_GiB", "memory/num_alloc_retries", "memory/num_ooms"} & set(scalars)
+    assert scalars["memory/allocated_GiB"] == stats.allocated_bytes / 2**30
 
 
 def test_misuse_is_an_error():

@@ -3,11 +3,12 @@
 import logging
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
-from trainer.metrics import MetricLogger, init_logging, read_scalars
+from trainer.metrics import MetricLogger, init_logging, new_run_dir, read_scalars, run_dirs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,6 +40,19 @@ def test_save_for_all_ranks_writes_per_rank_folders(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_0", "rank_1"]
     for rank in (0, 1):
         assert read_scalars(str(tmp_path / f"rank_{rank}")) == {"memory/allocated_GiB": [(5, float(rank))]}
+
+
+def test_every_run_claims_its_own_folder_and_runs_sort_by_start(tmp_path):
+    tb = tmp_path / "tb"
+    second = datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    same_second = [Path(new_run_dir(str(tb), second)) for _ in range(11)]
+    later = Path(new_run_dir(str(tb), second.replace(second=6)))
+    assert [p.name for p in same_second] == ["20250102-030405"] + [f"20250102-030405_{n}" for n in range(2, 12)]
+    assert all(p.is_dir() and p.parent == tb for p in same_second + [later])
+    (tb / "rank_0").mkdir()  # not a run folder
+    # start order, numeric within a second (a string sort would put _10 before _2)
+    assert run_dirs(str(tb)) == [str(p) for p in same_second + [later]]
+    assert run_dirs(str(tmp_path / "missing")) == []
 
 
 def test_disabled_tensorboard_writes_nothing(tmp_path):
@@ -76,6 +90,18 @@ def test_console_line_on_rank_0_only(caplog):
     )
     # Fixed widths keep the columns aligned from line to line.
     assert first.index("grad_norm") == second.index("grad_norm") and first.index("lr") == second.index("lr")
+
+
+def test_console_shows_rss_when_tensor_memory_was_not_measured(caplog):
+    caplog.set_level(logging.INFO, logger="trainer.metrics")
+    rank0 = MetricLogger(None, rank=0, enable_tensorboard=False, save_for_all_ranks=False)
+    args = dict(loss=7.0, grad_norm=1.0, tokens_per_s=100.0, mem_current_GiB=None, mem_peak_GiB=None, lr=1e-3)
+    rank0.console(1, **args, rss_GiB=1.234)
+    rank0.console(2, **args)
+    assert caplog.messages == [
+        "step    1  loss  7.0000  grad_norm   1.000  tok/s       100  rss 1.23 GiB  lr 1.0e-03",
+        "step    2  loss  7.0000  grad_norm   1.000  tok/s       100  lr 1.0e-03",
+    ]
 
 
 def test_tensorboard_import_is_lazy():

@@ -1,15 +1,18 @@
 """End-to-end tests of the single-process train loop and of the command-line entry points."""
 
+import logging
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from trainer import preflight
 from trainer.config import load_config, run_with_config_errors
-from trainer.metrics import read_scalars
-from trainer.train import run
+from trainer.metrics import read_scalars, run_dirs
+from trainer.train import Trainer, prepare, run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,13 +23,19 @@ def _cfg(tmp_path, *overrides):
                         "--validation.freq", "4", "--metrics.log_freq", "4", *overrides])
 
 
-def test_debug_model_trains_with_falling_loss_and_tensorboard(tmp_path):
+def _messages(caplog, pattern):
+    return [r.getMessage() for r in caplog.records if re.search(pattern, r.getMessage())]
+
+
+def test_debug_model_trains_with_falling_loss_and_tensorboard(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     losses = run(_cfg(tmp_path))
     assert len(losses) == 8
     assert losses[-1] < losses[0] - 1.0, losses
-    scalars = read_scalars(os.path.join(tmp_path, "tb"))
+    [run_dir] = run_dirs(os.path.join(tmp_path, "tb"))
+    scalars = read_scalars(run_dir)
     for tag in ("loss", "grad_norm", "lr", "throughput/tokens_per_s", "memory/allocated_GiB",
-                "memory/peak_allocated_GiB", "memory/reserved_GiB", "moe/layer_1/max_over_mean",
+                "memory/peak_allocated_GiB", "memory/rss_GiB", "moe/layer_1/max_over_mean",
                 "moe/layer_5/bias_range"):
         assert [s for s, _ in scalars[tag]] == list(range(1, 9)), tag
     assert [s for s, _ in scalars["validation/loss"]] == [4, 8]
@@ -36,6 +45,55 @@ def test_debug_model_trains_with_falling_loss_and_tensorboard(tmp_path):
     assert all(p > a for (_, p), a in zip(scalars["memory/peak_allocated_GiB"], alloc))
     # the expert bias moved (aux-loss-free balancing ran once per step)
     assert scalars["moe/layer_1/bias_range"][-1][1] > 0
+    # console: step 1 although log_freq is 4, then every 4th step; one summary line of the whole run
+    assert [int(m.split()[1]) for m in _messages(caplog, r"^step +\d+  loss")] == [1, 4, 8]
+    peak = max(v for _, v in scalars["memory/peak_allocated_GiB"])
+    val_loss = scalars["validation/loss"][-1][1]
+    [summary] = _messages(caplog, "^run done")
+    assert re.fullmatch(rf"run done: steps 1-8 in (\d+\.\d s|\d+m\d\ds), 2,048 tokens, final loss {losses[-1]:.4f}, "
+                        rf"validation loss {val_loss:.4f} \(step 8\), peak tensor memory {peak:.2f} GiB, "
+                        rf"tensorboard {re.escape(run_dir)}, no checkpoint", summary), summary
+
+
+def test_each_run_writes_its_own_tensorboard_run_and_logs_only_measured_memory(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    untracked = ("--training.steps", "2", "--validation.enable", "false", "--memory.track", "off")
+    first = run(_cfg(tmp_path, *untracked, "--training.steps", "3"))
+    second = run(_cfg(tmp_path, *untracked))
+    tb = os.path.join(tmp_path, "tb")
+    runs = run_dirs(tb)
+    assert len(runs) == 2
+    # each run folder holds one run's steps, never the other's
+    assert [[(s, pytest.approx(v)) for s, v in read_scalars(r)["loss"]] for r in runs] == [
+        list(zip([1, 2, 3], first)), list(zip([1, 2], second))]
+    assert _messages(caplog, "^tensorboard:") == [
+        f"tensorboard: this run writes to {r} (view all runs: tensorboard --logdir {tb})" for r in runs]
+    # tracking off: no tensor memory tag and no leak slope (no zeros that look measured); the process RSS is logged
+    scalars = read_scalars(runs[1])
+    assert not [tag for tag in scalars if tag.startswith("memory/") and tag != "memory/rss_GiB"], list(scalars)
+    rss = [v for _, v in scalars["memory/rss_GiB"]]
+    assert len(rss) == 2 and all(0.1 < v < 64 for v in rss), rss
+    assert len(_messages(caplog, r"tensor memory is not tracked \(memory.track = off\)")) == 2  # once per run
+    console = _messages(caplog, r"^step +\d+  loss")[-2:]
+    assert [line.split()[1] for line in console] == ["1", "2"] and all(" rss " in line for line in console)
+    assert "mem " not in " ".join(console)
+    summary = _messages(caplog, "^run done")[-1]
+    assert "steps 1-2 in " in summary and ", 512 tokens, " in summary
+    assert re.search(rf"max RSS {max(rss):.2f} GiB \(tensor memory not tracked\), tensorboard {re.escape(runs[1])}",
+                     summary), summary
+
+
+def test_compile_is_announced_with_an_estimate_before_the_first_step(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    prep = prepare(_cfg(tmp_path, "--compile.enable", "true", "--metrics.enable_tensorboard", "false"), 1, 0)
+    trainer = Trainer(prep, torch.device("cpu"))  # compiling is lazy: nothing compiles before the first step
+    trainer.close()
+    # the debug model: one dense and five MoE blocks share two block graphs; the loss is the third
+    assert _messages(caplog, "^compiling") == [
+        "compiling 6 blocks and the loss: the first step takes ~45 s longer (estimate: 3 graphs x ~15 s, the cold "
+        "compile time per graph measured on a 2-core CPU, docs/compile.md; less with a warm inductor cache)"]
+    [memory] = _messages(caplog, "^memory:")
+    assert "not tracked (compile.enable = true" in memory
 
 
 def test_deterministic_runs_are_bit_identical(tmp_path):

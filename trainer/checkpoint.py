@@ -38,6 +38,7 @@ from trainer.lr_schedule import WarmupDecayLR
 logger = logging.getLogger("trainer")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_OR_TMP_DIR = re.compile(r"^step-(\d+)(\.tmp)?$")  # a published checkpoint, or a save still being written
 
 
 class CheckpointError(RuntimeError):
@@ -164,7 +165,7 @@ class CheckpointManager:
     def load(self) -> int:
         """Resume from the latest (or `load_step`) checkpoint; else load `initial_load_path` weights. Returns the
         step to continue after (0 for a fresh run)."""
-        path = latest_checkpoint(self.cfg, self.dump_folder)
+        path = latest_checkpoint(self.cfg, self.dump_folder, report_skipped=self.rank == 0)
         if path is not None:
             self._load(self.states, path)
             logger.info("resumed from %s (step %d)", path, self.train_state.step)
@@ -265,12 +266,37 @@ def check_checkpoint(path: str, expected_shapes: dict[str, tuple[int, ...]], mod
             raise CheckpointError(f"checkpoint {path} is truncated: {item.relative_path} is missing or too short")
 
 
-def latest_checkpoint(cfg, dump_folder: str) -> str | None:
-    """Path of the checkpoint a run with `[checkpoint]` section `cfg` would resume from, if any."""
+def _incomplete_checkpoints(folder: str) -> list[tuple[int, str, str]]:
+    """(step, folder name, why) of every `step-<N>` folder in `folder` that resume will not use."""
+    found = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        match = _STEP_OR_TMP_DIR.match(name)
+        if match is None:
+            continue
+        if match.group(2):
+            found.append((int(match.group(1)), name, "an unfinished save"))
+        elif not os.path.isfile(os.path.join(folder, name, ".metadata")):
+            found.append((int(match.group(1)), name, "no .metadata"))
+    return sorted(found)
+
+
+def latest_checkpoint(cfg, dump_folder: str, report_skipped: bool = False) -> str | None:
+    """Path of the checkpoint a run with `[checkpoint]` section `cfg` would resume from, if any.
+
+    Folders newer than the latest complete checkpoint that are incomplete (no DCP `.metadata`, or a `.tmp` save)
+    are skipped; with `report_skipped` a warning names them (pass it in one process of a run only, so that the
+    user reads it once: preflight and the other ranks run the same search).
+    """
     if not cfg.enable:
         return None
     folder = os.path.join(dump_folder, cfg.folder)
     steps = list_checkpoints(folder)
+    if cfg.load_step == -1 and report_skipped:
+        newest = steps[-1] if steps else -1
+        skipped = [f"{name} ({why})" for step, name, why in _incomplete_checkpoints(folder) if step > newest]
+        if skipped:
+            logger.warning("checkpoint: skipped %s in %s; %s", ", ".join(skipped), folder,
+                           f"resuming from step-{newest}" if steps else "no complete checkpoint to resume from")
     if not steps:
         return None
     step = steps[-1] if cfg.load_step == -1 else cfg.load_step

@@ -70,26 +70,28 @@ _HINT = (
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Memory of one training step, in bytes.
+    """Memory of one training step, in bytes; ``None`` (an empty dict for the breakdowns) where not measured.
 
     Attributes:
-        allocated_bytes: tensor memory alive at the end of the step.
+        allocated_bytes: tensor memory alive at the end of the step (exact and allocator modes).
         peak_bytes: highest tensor memory since the previous ``step_end`` (since entering the monitor for the
-            first step).
-        reserved_bytes: memory the process holds beyond live tensors: the CUDA caching allocator's reserved
-            bytes, or on CPU the process resident set size (RSS, includes the Python heap and libraries).
-        num_alloc_retries: CUDA allocations that had to free cached blocks and retry (cumulative); 0 on CPU.
-        num_ooms: CUDA out-of-memory errors caught by the allocator (cumulative); 0 on CPU.
+            first step) (exact and allocator modes).
+        reserved_bytes: the CUDA caching allocator's reserved bytes (CUDA, exact and allocator modes).
+        rss_bytes: the process resident set size (host memory, includes the Python heap and libraries), in every
+            mode wherever ``/proc`` can be read.
+        num_alloc_retries: CUDA allocations that had to free cached blocks and retry (cumulative; CUDA only).
+        num_ooms: CUDA out-of-memory errors caught by the allocator (cumulative; CUDA only).
         breakdown: ``allocated_bytes`` split into parameters, gradients, optimizer_state, activations and
             other (exact mode only, empty otherwise); the values sum to ``allocated_bytes``.
         peak_breakdown: the same split at the moment of the step's peak; sums to ``peak_bytes``.
     """
 
-    allocated_bytes: int = 0
-    peak_bytes: int = 0
-    reserved_bytes: int = 0
-    num_alloc_retries: int = 0
-    num_ooms: int = 0
+    allocated_bytes: int | None = None
+    peak_bytes: int | None = None
+    reserved_bytes: int | None = None
+    rss_bytes: int | None = None
+    num_alloc_retries: int | None = None
+    num_ooms: int | None = None
     breakdown: dict[str, int] = field(default_factory=dict)
     peak_breakdown: dict[str, int] = field(default_factory=dict)
 
@@ -177,13 +179,13 @@ def _fold(snapshot: dict[str, int] | None) -> dict[str, int]:
     return folded
 
 
-def _process_rss_bytes() -> int:
-    """Resident set size of this process; 0 where /proc is missing (macOS), since it is only informative."""
+def _process_rss_bytes() -> int | None:
+    """Resident set size of this process; None where /proc is missing (macOS)."""
     try:
         with open("/proc/self/statm") as f:
             resident_pages = int(f.read().split()[1])
     except OSError:
-        return 0
+        return None
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -215,7 +217,8 @@ class MemoryMonitor:
         ``with`` block plus what ``track`` registers, broken down into parameters, gradients, optimizer state,
         activations and other. Exact to the byte on CPU, including FSDP2's ``storage.resize_`` (on CUDA each
         storage is rounded up to 512 bytes like the allocator does).
-        ``"off"``: nothing is measured; every field is 0.
+        ``"off"``: no tensor memory is measured; only the process RSS is (it costs nothing).
+    In every mode the process RSS is read where ``/proc`` exists; fields that were not measured are ``None``.
 
     Overhead of exact tracking: every aten op (and every storage it creates) goes through Python, about 0.05-0.07 ms
     per op on the 2-core dev machine with ``torch.set_num_threads(1)``. Measured on an MLP training step (3 linear
@@ -246,12 +249,16 @@ class MemoryMonitor:
             # MemTracker keys its snapshots by the tensors' device, which always carries an index.
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        off_because = "memory.track = off"
         if mode == "auto":
             mode = "allocator" if device.type == "cuda" else "exact"
             if compiled and mode == "exact":
-                # the exact tracker makes compiled code run eagerly: with torch.compile on CPU, nothing is tracked
-                logger.info("memory tracking off: the exact CPU tracker cannot observe compiled code")
+                off_because = ("compile.enable = true: the exact CPU tracker would make compiled code run eagerly, "
+                               "and CPU has no allocator counters")
                 mode = "off"
+        if mode == "off":
+            logger.info("memory: tensor memory is not tracked (%s); only the process RSS is measured, so there are "
+                        "no tensor memory curves and no leak detection", off_because)
         self.mode = mode
         self._tracker = _StepMemTracker() if mode == "exact" else None
         self._state = "new"  # new -> entered -> exited
@@ -316,6 +323,8 @@ class MemoryMonitor:
             self.last_stats = self._allocator_step_end()
         elif self.mode == "exact":
             self.last_stats = self._exact_step_end()
+        else:
+            self.last_stats = MemoryStats(rss_bytes=_process_rss_bytes())
         return self.last_stats
 
     def _allocator_step_end(self) -> MemoryStats:
@@ -325,6 +334,7 @@ class MemoryMonitor:
             allocated_bytes=stats.get("allocated_bytes.all.current", 0),
             peak_bytes=stats.get("allocated_bytes.all.peak", 0),
             reserved_bytes=stats.get("reserved_bytes.all.current", 0),
+            rss_bytes=_process_rss_bytes(),
             num_alloc_retries=stats.get("num_alloc_retries", 0),
             num_ooms=stats.get("num_ooms", 0),
         )
@@ -338,16 +348,16 @@ class MemoryMonitor:
         # peak of the coming step only.
         tracker.reset_mod_stats()
         tracker.reset_peak()
+        reserved = retries = ooms = None  # CPU has no caching allocator
         if self.device.type == "cuda":
             cuda_stats = torch.cuda.memory_stats(self.device)
             reserved = cuda_stats.get("reserved_bytes.all.current", 0)
             retries, ooms = cuda_stats.get("num_alloc_retries", 0), cuda_stats.get("num_ooms", 0)
-        else:
-            reserved, retries, ooms = _process_rss_bytes(), 0, 0
         return MemoryStats(
             allocated_bytes=(current or {}).get(_TOTAL, 0),
             peak_bytes=(peak or {}).get(_TOTAL, 0),
             reserved_bytes=reserved,
+            rss_bytes=_process_rss_bytes(),
             num_alloc_retries=retries,
             num_ooms=ooms,
             breakdown=_fold(current),
@@ -356,14 +366,13 @@ class MemoryMonitor:
 
     @staticmethod
     def to_scalars(stats: MemoryStats) -> dict[str, float]:
-        """Tensorboard-ready scalars: sizes in GiB under ``memory/``, counters as plain numbers."""
-        scalars = {
-            "memory/allocated_GiB": stats.allocated_bytes / _GiB,
-            "memory/peak_allocated_GiB": stats.peak_bytes / _GiB,
-            "memory/reserved_GiB": stats.reserved_bytes / _GiB,
-            "memory/num_alloc_retries": float(stats.num_alloc_retries),
-            "memory/num_ooms": float(stats.num_ooms),
-        }
+        """Tensorboard-ready scalars of the measured fields only: sizes in GiB under ``memory/``, counters as plain
+        numbers. A field that was not measured has no tag (a 0 would read as a measurement)."""
+        sizes = {"allocated": stats.allocated_bytes, "peak_allocated": stats.peak_bytes,
+                 "reserved": stats.reserved_bytes, "rss": stats.rss_bytes}
+        scalars = {f"memory/{name}_GiB": nbytes / _GiB for name, nbytes in sizes.items() if nbytes is not None}
+        counters = {"num_alloc_retries": stats.num_alloc_retries, "num_ooms": stats.num_ooms}
+        scalars.update({f"memory/{name}": float(n) for name, n in counters.items() if n is not None})
         for name, nbytes in stats.breakdown.items():
             scalars[f"memory/breakdown/{name}_GiB"] = nbytes / _GiB
         for name, nbytes in stats.peak_breakdown.items():
@@ -452,8 +461,9 @@ def _format_table(table: dict[str, Any]) -> str:
     lines = [f"memory on {table['device']} (mode {table['mode']})"]
     last = table.get("last_step")
     if last:
-        lines.append(f"last step: allocated {last['allocated_bytes'] / 2**20:.3f} MiB, peak "
-                     f"{last['peak_bytes'] / 2**20:.3f} MiB, reserved {last['reserved_bytes'] / 2**20:.3f} MiB")
+        sizes = [f"{name} {last[f'{name}_bytes'] / 2**20:.3f} MiB" for name in ("allocated", "peak", "reserved", "rss")
+                 if last[f"{name}_bytes"] is not None]
+        lines.append("last step: " + ", ".join(sizes))
     if "current" in table:
         lines += ["", f"{'category':<14}{'MiB now':>12}{'storages':>10}"]
         for name, nbytes in table["current"].items():

@@ -1,13 +1,25 @@
-"""Metrics out of the train loop: tensorboard scalars, one console line per logged step, and logging setup."""
+"""Metrics out of the train loop: tensorboard scalars, one console line per logged step, and logging setup.
+
+Tensorboard layout: every run writes into its own folder ``<job.dump_folder>/tb/<run id>/`` (``new_run_dir``), so
+runs sharing a dump folder (a second run, a resume, an elastic restart) never mix their curves; ``tensorboard
+--logdir <job.dump_folder>/tb`` shows them as separate runs.
+"""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import re
 import sys
+from datetime import datetime, timezone
 from typing import Any
 
-__all__ = ["MetricLogger", "init_logging", "read_scalars"]
+__all__ = ["MetricLogger", "init_logging", "new_run_dir", "read_scalars", "run_dirs"]
+
+RUN_ID_FORMAT = "%Y%m%d-%H%M%S"
+"""A run id is the UTC start time in this format, with ``_<n>`` appended for the n-th run of the same second."""
+_RUN_ID = re.compile(r"^(\d{8}-\d{6})(?:_(\d+))?$")
 
 logger = logging.getLogger(__name__)
 
@@ -69,22 +81,30 @@ class MetricLogger:
         loss: float,
         grad_norm: float,
         tokens_per_s: float,
-        mem_current_GiB: float,
-        mem_peak_GiB: float,
+        mem_current_GiB: float | None,
+        mem_peak_GiB: float | None,
         lr: float,
         extra: dict[str, float] | None = None,
+        rss_GiB: float | None = None,
     ) -> None:
         """Log one aligned progress line on rank 0, e.g.
         ``step    3  loss  7.1234  grad_norm   1.234  tok/s    12,345  mem 0.12/0.34 GiB  lr 8.0e-04``.
 
-        ``extra`` items are appended as ``name value`` (integers as they are, other numbers with 4 significant
-        digits).
+        The memory field shows tensor memory at step end / peak within the step; where those were not measured
+        (``None``) the process RSS instead (``rss 1.23 GiB``), and nothing when neither was. ``extra`` items are
+        appended as ``name value`` (integers as they are, other numbers with 4 significant digits).
         """
         if self.rank != 0:
             return
+        if mem_current_GiB is not None and mem_peak_GiB is not None:
+            memory = f"mem {mem_current_GiB:.2f}/{mem_peak_GiB:.2f} GiB  "
+        elif rss_GiB is not None:
+            memory = f"rss {rss_GiB:.2f} GiB  "
+        else:
+            memory = ""
         line = (
             f"step {step:>4}  loss {loss:7.4f}  grad_norm {grad_norm:7.3f}  tok/s {tokens_per_s:>9,.0f}  "
-            f"mem {mem_current_GiB:.2f}/{mem_peak_GiB:.2f} GiB  lr {lr:.1e}"
+            f"{memory}lr {lr:.1e}"
         )
         for name, value in (extra or {}).items():
             line += f"  {name} {value}" if isinstance(value, int) else f"  {name} {value:.4g}"
@@ -111,3 +131,30 @@ def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
         tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
         for tag in accumulator.Tags()["scalars"]
     }
+
+
+def new_run_dir(tb_folder: str, now: datetime | None = None) -> str:
+    """Create and return a new run folder ``tb_folder/<run id>``; ``now`` (UTC) defaults to the current time.
+
+    The folder is claimed with ``os.mkdir``, so two runs starting in the same second get two folders
+    (``<id>`` and ``<id>_2``). Call it in one process of a run and hand the path to the others.
+    """
+    stamp = (now or datetime.now(timezone.utc)).strftime(RUN_ID_FORMAT)
+    os.makedirs(tb_folder, exist_ok=True)
+    for n in itertools.count(1):
+        path = os.path.join(tb_folder, stamp if n == 1 else f"{stamp}_{n}")
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        return path
+
+
+def run_dirs(tb_folder: str) -> list[str]:
+    """The run folders in ``tb_folder`` (those named by a run id), oldest first."""
+    runs = []
+    for name in os.listdir(tb_folder) if os.path.isdir(tb_folder) else []:
+        match = _RUN_ID.match(name)
+        if match and os.path.isdir(os.path.join(tb_folder, name)):
+            runs.append((match.group(1), int(match.group(2) or 1), name))
+    return [os.path.join(tb_folder, name) for *_, name in sorted(runs)]

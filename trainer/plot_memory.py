@@ -1,13 +1,15 @@
-"""Memory curves of a finished (or running) job as one PNG, with the leak detector's verdict per rank.
+"""Memory curves of one run of a job as one PNG, with the leak detector's verdict per rank.
 
-    python -m trainer.plot_memory <dump_folder> [--out memory.png] [--threshold-MiB 0.1] [--window 10]
-                                                [--warmup 5]
+    python -m trainer.plot_memory <dump folder | tb folder | run folder> [--run RUN_ID] [--out memory.png]
+                                  [--threshold-MiB 0.1] [--window 10] [--warmup 5]
 
-Reads the tensorboard scalars the train loop writes (``<dump>/tb`` from rank 0, or ``<dump>/tb/rank_<r>`` from
-every rank with ``metrics.save_for_all_ranks``) and draws three panels, one colour per rank:
+Reads the tensorboard scalars the train loop writes for one run (``<dump>/tb/<run id>`` from rank 0, or
+``<dump>/tb/<run id>/rank_<r>`` from every rank with ``metrics.save_for_all_ranks``): the latest run of the dump or
+tb folder, the run named by ``--run``, or the run folder given. Runs are never mixed. It draws three panels, one
+colour per rank:
   1. memory allocated at step end (solid) and the peak within each step (dashed), with a marker where the leak
      detector raises its alarm;
-  2. reserved memory: the CUDA caching allocator's reserved bytes, or the process RSS on CPU;
+  2. the process RSS (host memory, solid) and, on CUDA, the caching allocator's reserved bytes (dashed);
   3. the leak slope in MiB/step (logged as ``memory/leak_slope_MiB_per_step``, or recomputed from the
      allocated curve when the run did not log it) against the threshold.
 The verdict is recomputed from the allocated curve with the detector's defaults (or the flags), so a run that
@@ -24,13 +26,14 @@ import sys
 from dataclasses import dataclass
 
 from trainer.leak_detector import SLOPE_TAG, LeakDetector, LeakVerdict
-from trainer.metrics import read_scalars
+from trainer.metrics import read_scalars, run_dirs
 
-__all__ = ["RankSeries", "load_runs", "main", "render"]
+__all__ = ["RankSeries", "find_run", "load_runs", "main", "render"]
 
 ALLOCATED = "memory/allocated_GiB"
 PEAK = "memory/peak_allocated_GiB"
 RESERVED = "memory/reserved_GiB"
+RSS = "memory/rss_GiB"
 _MiB_PER_GiB = 1024.0
 
 
@@ -47,36 +50,59 @@ class RankSeries:
         """One line: the leak alarm, or the largest slope seen."""
         if self.alarm is not None:
             return f"rank {self.rank}: {self.alarm.message()}"
+        if ALLOCATED not in self.series:
+            return f"rank {self.rank}: no tensor memory logged (memory tracking was off), no leak verdict"
         if not self.verdicts:
             return f"rank {self.rank}: too few steps for the leak detector"
         worst = max(v.slope_MiB_per_step for v in self.verdicts)
         return f"rank {self.rank}: no leak (largest slope {worst:.4g} MiB/step)"
 
 
-def _rank_dirs(dump_folder: str) -> dict[int, str]:
-    """Rank -> tensorboard folder: ``tb/rank_<r>`` folders when present, else ``tb`` itself as rank 0."""
-    tb = os.path.join(dump_folder, "tb")
+def _rank_dirs(run_dir: str) -> dict[int, str]:
+    """Rank -> tensorboard folder of one run: its ``rank_<r>`` folders when present, else the run folder itself."""
     dirs = {}
-    for path in glob.glob(os.path.join(tb, "rank_*")):
+    for path in glob.glob(os.path.join(run_dir, "rank_*")):
         match = re.fullmatch(r"rank_(\d+)", os.path.basename(path))
         if match and os.path.isdir(path):
             dirs[int(match.group(1))] = path
-    if not dirs and glob.glob(os.path.join(tb, "events.out.tfevents.*")):
-        dirs[0] = tb
+    if not dirs and glob.glob(os.path.join(run_dir, "events.out.tfevents.*")):
+        dirs[0] = run_dir
     return dict(sorted(dirs.items()))
 
 
-def load_runs(dump_folder: str, warmup_steps: int = 5, window: int = 10,
+def find_run(path: str, run: str | None = None) -> str:
+    """The run folder to read: the run ``run`` (default: the latest) of ``path/tb`` or of ``path`` as the tb
+    folder, else ``path`` itself when it is a run folder (it holds event files or ``rank_<r>`` folders).
+
+    Raises FileNotFoundError with a one-line message naming what was looked for and the runs there are.
+    """
+    tb = os.path.join(path, "tb") if os.path.isdir(os.path.join(path, "tb")) else path
+    runs = run_dirs(tb)
+    if not runs:
+        if _rank_dirs(path) and run is None:
+            return path
+        raise FileNotFoundError(f"no tensorboard runs in {path}: expected a dump folder (with tb/<run id>/), its tb "
+                                f"folder or a run folder")
+    if run is None:
+        return runs[-1]
+    names = [os.path.basename(r) for r in runs]
+    if run not in names:
+        raise FileNotFoundError(f"no run {run} under {tb} (runs: {', '.join(names)})")
+    return os.path.join(tb, run)
+
+
+def load_runs(run_dir: str, warmup_steps: int = 5, window: int = 10,
               threshold_MiB_per_step: float = 0.1) -> list[RankSeries]:
-    """The memory scalars of every rank of a job, each with the leak detector re-run on its allocated curve."""
-    dirs = _rank_dirs(dump_folder)
+    """The memory scalars of every rank of one run (a folder from ``find_run``), each with the leak detector
+    re-run on its allocated curve."""
+    dirs = _rank_dirs(run_dir)
     if not dirs:
-        raise FileNotFoundError(f"no tensorboard event files under {os.path.join(dump_folder, 'tb')}")
+        raise FileNotFoundError(f"no tensorboard event files under {run_dir}")
     runs = []
     for rank, path in dirs.items():
         scalars = read_scalars(path)
         series = {tag: ([s for s, _ in points], [v for _, v in points])
-                  for tag, points in scalars.items() if tag in (ALLOCATED, PEAK, RESERVED, SLOPE_TAG)}
+                  for tag, points in scalars.items() if tag in (ALLOCATED, PEAK, RESERVED, RSS, SLOPE_TAG)}
         detector = LeakDetector(warmup_steps, window, threshold_MiB_per_step * 2**20, warn=False)
         steps, allocated = series.get(ALLOCATED, ([], []))
         verdicts = [v for step, gib in zip(steps, allocated) if (v := detector.update(step, round(gib * 2**30)))]
@@ -102,8 +128,10 @@ def render(runs: list[RankSeries], out_path: str, threshold_MiB_per_step: float 
         for tag, style, what in ((ALLOCATED, "-", "allocated at step end"), (PEAK, "--", "peak within step")):
             if tag in run.series:
                 ax_alloc.plot(*run.series[tag], style, color=color, label=f"{label} {what}")
+        if RSS in run.series:
+            ax_reserved.plot(*run.series[RSS], "-", color=color, label=f"{label} RSS")
         if RESERVED in run.series:
-            ax_reserved.plot(*run.series[RESERVED], "-", color=color, label=label)
+            ax_reserved.plot(*run.series[RESERVED], "--", color=color, label=f"{label} CUDA reserved")
         if SLOPE_TAG in run.series:
             ax_slope.plot(*run.series[SLOPE_TAG], "-", color=color, label=f"{label} (logged)")
         elif run.verdicts:
@@ -121,7 +149,7 @@ def render(runs: list[RankSeries], out_path: str, threshold_MiB_per_step: float 
     ax_slope.axhline(threshold_MiB_per_step, color="black", linestyle="--", linewidth=1,
                      label=f"threshold {threshold_MiB_per_step:g} MiB/step")
     ax_alloc.set_ylabel("tensor memory (GiB)")
-    ax_reserved.set_ylabel("reserved / RSS (GiB)")
+    ax_reserved.set_ylabel("RSS / reserved (GiB)")
     ax_slope.set_ylabel("leak slope (MiB/step)")
     ax_slope.set_xlabel("step")
     for ax in (ax_alloc, ax_reserved, ax_slope):
@@ -135,20 +163,23 @@ def render(runs: list[RankSeries], out_path: str, threshold_MiB_per_step: float 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point; prints one verdict line per rank and the path of the PNG."""
+    """Command-line entry point; prints the run it read, one verdict line per rank and the path of the PNG."""
     parser = argparse.ArgumentParser(prog="python -m trainer.plot_memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("dump_folder", help="the job's job.dump_folder")
-    parser.add_argument("--out", help="PNG to write (default: <dump_folder>/memory.png)")
+    parser.add_argument("path", help="the job's job.dump_folder, its tb folder, or one run folder in it")
+    parser.add_argument("--run", help="run id (a folder name in tb/) to read instead of the latest run")
+    parser.add_argument("--out", help="PNG to write (default: memory.png in the run folder)")
     parser.add_argument("--threshold-MiB", type=float, default=0.1, help="leak threshold in MiB/step")
     parser.add_argument("--window", type=int, default=10, help="leak detector window in steps")
     parser.add_argument("--warmup", type=int, default=5, help="leak detector warm-up steps")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        runs = load_runs(args.dump_folder, args.warmup, args.window, args.threshold_MiB)
+        run_dir = find_run(args.path, args.run)
+        runs = load_runs(run_dir, args.warmup, args.window, args.threshold_MiB)
     except FileNotFoundError as e:
         raise SystemExit(str(e)) from None
-    out = args.out or os.path.join(args.dump_folder, "memory.png")
-    render(runs, out, args.threshold_MiB, title=f"memory of {os.path.abspath(args.dump_folder)}")
+    out = args.out or os.path.join(run_dir, "memory.png")
+    render(runs, out, args.threshold_MiB, title=f"memory of run {os.path.abspath(run_dir)}")
+    print(f"run {run_dir}")
     for run in runs:
         print(run.summary())
     print(f"wrote {out}")

@@ -26,24 +26,63 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from parallelisms.activation_checkpoint import save_ops_warning
 from parallelisms.clip import clip_grad_norm_
-from parallelisms.compile import compile_loss
+from parallelisms.compile import SECONDS_PER_GRAPH, compile_loss, first_compile
 from parallelisms.mesh import build_meshes
 from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.pipeline import build_pipeline
 from trainer import device as devices
-from trainer.checkpoint import CheckpointError, CheckpointManager, check_checkpoint, latest_checkpoint
+from trainer.checkpoint import (CheckpointError, CheckpointManager, check_checkpoint, latest_checkpoint,
+                                list_checkpoints)
 from trainer.config import ConfigError, JobConfig, config_to_toml, load_config, run_with_config_errors, validate_job
 from trainer.data import DatasetError, build_dataloader, has_documents
 from trainer.loss import count_valid_tokens
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.leak_detector import LeakDetector, MemoryLeakError
-from trainer.memory import MemoryMonitor, MemorySnapshots
-from trainer.metrics import MetricLogger, init_logging
+from trainer.memory import MemoryMonitor, MemorySnapshots, MemoryStats
+from trainer.metrics import MetricLogger, init_logging, new_run_dir
 from trainer.optimizer import build_optimizer
 from trainer.registry import available_models, get_model_spec
 from trainer.tokenizer import build_tokenizer
 
 logger = logging.getLogger("trainer")
+
+
+def _gib(nbytes: int | None) -> float | None:
+    """Bytes in GiB; None (not measured) stays None."""
+    return None if nbytes is None else nbytes / 2**30
+
+
+def _duration(seconds: float) -> str:
+    """`42.0 s`, `3m07s` or `2h05m`."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = int(seconds // 60)
+    return f"{minutes}m{int(seconds % 60):02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+@dataclasses.dataclass
+class _RunSummary:
+    """What the end-of-run line reports, gathered step by step (this rank's view; peaks are reduced at the end)."""
+
+    start: float
+    steps: int = 0
+    first_step: int = 0
+    last_step: int = 0
+    tokens: int = 0
+    loss: float = math.nan
+    validation: tuple[int, float] | None = None
+    peak_tensor_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+
+    def add_step(self, step: int, loss: float, tokens: float, mem: MemoryStats) -> None:
+        """Record one finished step: its loss, the global tokens it trained on and its memory."""
+        self.first_step = self.first_step or step
+        self.steps, self.last_step, self.loss = self.steps + 1, step, loss
+        self.tokens += int(tokens)
+        if mem.peak_bytes is not None:
+            self.peak_tensor_bytes = max(self.peak_tensor_bytes or 0, mem.peak_bytes)
+        if mem.rss_bytes is not None:
+            self.peak_rss_bytes = max(self.peak_rss_bytes or 0, mem.rss_bytes)
 
 
 class TrainingError(RuntimeError):
@@ -218,14 +257,40 @@ class Trainer:
         self.snapshots = MemorySnapshots(self.memory, os.path.join(cfg.job.dump_folder, "memory_snapshots"),
                                          cfg.memory.snapshot_freq, cfg.memory.dump_on_leak, self.rank)
         self.leak_detector = LeakDetector.from_config(cfg.memory, on_leak=self.snapshots.on_leak)
-        self.metrics = MetricLogger(os.path.join(cfg.job.dump_folder, "tb"), self.rank,
-                                    cfg.metrics.enable_tensorboard, cfg.metrics.save_for_all_ranks)
+        self.tb_run_dir = self._new_tensorboard_run() if cfg.metrics.enable_tensorboard else None
+        self.metrics = MetricLogger(self.tb_run_dir, self.rank, cfg.metrics.enable_tensorboard,
+                                    cfg.metrics.save_for_all_ranks)
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizers,
                                             self.lr_schedulers, self.train_loader)
         self.start_step = self.checkpoint.load()
         logger.info("model %s/%s: %.2fM params (%.2fM active per token), %.1f MFLOP/token, device %s, world %d",
                     cfg.model.name, cfg.model.flavor, self.total_params / 1e6, self.active_params / 1e6,
                     self.flops_per_token / 1e6, device, self.dims.world_size)
+        if self.start_step < cfg.training.steps:
+            self._announce_compile()
+
+    def _new_tensorboard_run(self) -> str:
+        """This run's tensorboard folder `<dump>/tb/<run id>`: created by rank 0, its path broadcast so that every
+        rank writes into the same run."""
+        tb_folder = os.path.join(self.cfg.job.dump_folder, "tb")
+        path = [new_run_dir(tb_folder) if self.rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(path, src=0)
+        logger.info("tensorboard: this run writes to %s (view all runs: tensorboard --logdir %s)", path[0], tb_folder)
+        return path[0]
+
+    def _announce_compile(self) -> None:
+        """Say before the first step that it will compile, and for about how long (the first step is silent)."""
+        cfg = self.cfg.compile
+        if not cfg.enable:
+            return
+        blocks, graphs = first_compile(self.model_parts)
+        loss = "loss" in cfg.components
+        graphs += loss
+        logger.info("compiling %d blocks%s: the first step takes ~%d s longer (estimate: %d graphs x ~%d s, the "
+                    "cold compile time per graph measured on a 2-core CPU, docs/compile.md; less with a warm "
+                    "inductor cache)", blocks, " and the loss" if loss else "", graphs * SECONDS_PER_GRAPH, graphs,
+                    SECONDS_PER_GRAPH)
 
     def _load_hf_weights(self, path: str) -> None:
         """Initial weights from a HF checkpoint directory, read in full on every rank, then sharded."""
@@ -297,7 +362,7 @@ class Trainer:
             self._handle_nonfinite(step, loss, grad_norm.item())
         scalars = self.spec.post_optimizer_step(self.model_parts, cfg, self.dp_group)
         scalars.update({"loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
-                        "local_tokens": float(inputs.numel())})
+                        "local_tokens": float(inputs.numel()), "global_tokens": float(global_tokens)})
         return scalars
 
     def _handle_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
@@ -335,9 +400,13 @@ class Trainer:
         return (self._all_reduce_sum(total, with_pp=True) / self._all_reduce_sum(tokens)).item()
 
     def train(self, history: list[dict] | None = None) -> list[float]:
-        """Run `training.steps` steps; returns the loss of every step (and appends all scalars to `history`)."""
+        """Run `training.steps` steps; returns the loss of every step (and appends all scalars to `history`).
+
+        Ends with a one-line summary of the run on rank 0.
+        """
         cfg = self.cfg
         losses = []
+        summary = _RunSummary(time.perf_counter())
         with self.memory, self.snapshots:
             for step in range(self.start_step + 1, cfg.training.steps + 1):
                 t0 = time.perf_counter()
@@ -346,14 +415,17 @@ class Trainer:
                 mem = self.memory.step_end()
                 self.snapshots.step_end(step)
                 losses.append(scalars["loss"])
+                summary.add_step(step, scalars["loss"], scalars.pop("global_tokens"), mem)
                 tokens_per_s = scalars.pop("local_tokens") / elapsed
                 scalars["throughput/tokens_per_s"] = tokens_per_s
                 scalars["throughput/tflops"] = tokens_per_s * self.flops_per_token / 1e12
                 scalars.update(MemoryMonitor.to_scalars(mem))
-                verdict = self.leak_detector.update(step, mem.allocated_bytes, mem.breakdown)
-                scalars.update(LeakDetector.to_scalars(verdict))
+                if mem.allocated_bytes is not None:  # the detector must never see unmeasured memory
+                    verdict = self.leak_detector.update(step, mem.allocated_bytes, mem.breakdown)
+                    scalars.update(LeakDetector.to_scalars(verdict))
                 if self.val_loader is not None and step % cfg.validation.freq == 0:
                     scalars["validation/loss"] = self.validate()
+                    summary.validation = (step, scalars["validation/loss"])
                     logger.info("step %d validation loss %.4f", step, scalars["validation/loss"])
                 if self.dims.ep_enabled:
                     # the comm backend's own scalars, measured now (e.g. handles alive past the step)
@@ -361,11 +433,43 @@ class Trainer:
                 self.metrics.log(step, scalars)
                 if history is not None:
                     history.append(scalars)
-                if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+                # the first step of a run is always shown: it is the reference the later losses are read against
+                if step % cfg.metrics.log_freq == 0 or step in (self.start_step + 1, cfg.training.steps):
                     self.metrics.console(step, scalars["loss"], scalars["grad_norm"], tokens_per_s,
-                                         mem.allocated_bytes / 2**30, mem.peak_bytes / 2**30, scalars["lr"])
+                                         _gib(mem.allocated_bytes), _gib(mem.peak_bytes), scalars["lr"],
+                                         rss_GiB=_gib(mem.rss_bytes))
                 self.checkpoint.maybe_save(step, last=step == cfg.training.steps)
+        self.checkpoint.finish()  # the summary names the last checkpoint: an async save must be published first
+        self._log_summary(summary)
         return losses
+
+    def _log_summary(self, summary: _RunSummary) -> None:
+        """One line on rank 0 at the end of the run: what ran, the last losses, peak memory, where the outputs are."""
+        peak_tensor, peak_rss = summary.peak_tensor_bytes, summary.peak_rss_bytes
+        if dist.is_initialized():  # the largest rank's peak: the one that decides whether a layout fits
+            peaks = torch.tensor([-1 if b is None else b for b in (peak_tensor, peak_rss)], device=self.device)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+            peak_tensor, peak_rss = (None if b < 0 else b for b in peaks.tolist())
+        if self.rank != 0:
+            return
+        if summary.steps == 0:
+            logger.info("run done: nothing to train (resumed at step %d of %d)", self.start_step,
+                        self.cfg.training.steps)
+            return
+        parts = [f"steps {summary.first_step}-{summary.last_step} in {_duration(time.perf_counter() - summary.start)}",
+                 f"{summary.tokens:,} tokens", f"final loss {summary.loss:.4f}"]
+        if summary.validation is not None:
+            parts.append(f"validation loss {summary.validation[1]:.4f} (step {summary.validation[0]})")
+        of = " (largest rank)" if self.dims.world_size > 1 else ""
+        if peak_tensor is not None:
+            parts.append(f"peak tensor memory {peak_tensor / 2**30:.2f} GiB{of}")
+        elif peak_rss is not None:
+            parts.append(f"max RSS {peak_rss / 2**30:.2f} GiB{of} (tensor memory not tracked)")
+        parts.append(f"tensorboard {self.tb_run_dir}" if self.tb_run_dir else "tensorboard off")
+        saved = list_checkpoints(self.checkpoint.folder) if self.cfg.checkpoint.enable else []
+        parts.append(f"checkpoint {os.path.join(self.checkpoint.folder, f'step-{saved[-1]}')}" if saved
+                     else "no checkpoint")
+        logger.info("run done: %s", ", ".join(parts))
 
     def close(self) -> None:
         self.checkpoint.finish()
