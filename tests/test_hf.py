@@ -9,16 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.deepseek_v3.args import ModelArgs
+import models.deepseek_v3.convert_hf as convert_hf
+from models.deepseek_v3.args import FLAVORS, ModelArgs
+from models.deepseek_v3.convert_hf import MODEL_KEY
 from models.deepseek_v3.convert_hf import main as convert_main
 from models.deepseek_v3.hf import (
     INDEX_FILE,
     args_from_hf_config,
     args_from_hf_config_file,
     dequantize_fp8,
+    expected_shapes,
     from_hf,
     hf_config_from_args,
     load_hf_pretrained,
@@ -27,6 +31,8 @@ from models.deepseek_v3.hf import (
     to_hf,
 )
 from models.deepseek_v3.model import DeepSeekV3Model
+from trainer.config import load_config
+from trainer.train import run
 
 transformers = pytest.importorskip("transformers")
 
@@ -399,3 +405,75 @@ def test_cli_wrong_flavor_for_checkpoint(tmp_path, capsys):
     assert convert_main(["from_dcp", str(tmp_path / "dcp"), str(tmp_path / "out"), "--flavor", "debugmodel"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("convert_hf: error: tok_embeddings.weight: shape") and "wrong flavor" in err
+
+
+# ------------------------------------------------------------------------------------------------ debug flavor export
+
+def _dcp_save(state: dict[str, torch.Tensor], path: Path) -> None:
+    """A model state dict saved as a trainer checkpoint holds it (under "model"), single process."""
+    dcp.save({MODEL_KEY: state}, checkpoint_id=str(path), no_dist=True)
+
+
+def _assert_transformers_logits_match(hf_dir: Path, model: DeepSeekV3Model) -> float:
+    """transformers loads hf_dir as DeepSeek-V2 with every key, and its logits equal model's; returns their max."""
+    hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, attn_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    assert hf_model.config.model_type == "deepseek_v2"
+    x = tokens(model.args.vocab_size, seed=2)
+    with torch.no_grad():
+        expected = hf_model.float().eval()(x).logits
+        diff = (model.eval()(x) - expected).abs().max().item()
+    print(f"\n{hf_dir.name}: max |logits diff| = {diff:.3g} (logits up to {expected.abs().max().item():.3g})")
+    assert diff <= PARITY_ATOL, diff
+    return expected.abs().max().item()
+
+
+def test_debug_flavor_with_zero_bias_exports_and_matches_transformers(tmp_path):
+    """The debug flavor routes with softmax: with a zero expert bias it is a DeepSeek-V2 model, and the CLI's
+    export loads in transformers with the same logits (weights randomised so the logits are O(1))."""
+    model = build_ours(FLAVORS["debugmodel"])
+    for moe in model.moe_layers():
+        moe.expert_bias.zero_()
+    _dcp_save(model.state_dict(), tmp_path / "dcp")
+    assert convert_main(["from_dcp", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--flavor", "debugmodel"]) == 0
+    assert _assert_transformers_logits_match(tmp_path / "hf", model) > 1.0
+
+
+def test_debug_flavor_with_a_bias_is_refused_before_loading_with_the_way_out(tmp_path, capsys, monkeypatch):
+    # What the default run saves: its expert biases move away from zero (moe.load_balance_coeff = 1e-3).
+    state = {fqn: torch.zeros(shape) for fqn, shape in expected_shapes(FLAVORS["debugmodel"]).items()}
+    state["layers.1.moe.expert_bias"][3] = 1e-3
+    _dcp_save(state, tmp_path / "dcp")
+
+    loaded = []
+    real_load = convert_hf.dcp.load
+
+    def recording_load(state_dict, **kwargs):
+        loaded.append(sorted(state_dict[MODEL_KEY]))
+        real_load(state_dict, **kwargs)
+
+    monkeypatch.setattr(convert_hf.dcp, "load", recording_load)
+    assert convert_main(["from_dcp", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--flavor", "debugmodel"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("convert_hf: error: cannot export layers.1.moe.expert_bias")
+    assert "moe.load_balance_coeff = 0" in err[0] and "deepseek_v3" in err[0]
+    # only the biases were read, and nothing was written
+    assert len(loaded) == 1 and all(fqn.endswith("moe.expert_bias") for fqn in loaded[0])
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_trained_debug_checkpoint_without_bias_updates_exports(tmp_path):
+    """The way out the refusal names: a real trainer checkpoint of the debug flavor trained with
+    moe.load_balance_coeff = 0 exports and loads in transformers with the logits of the trained model."""
+    dump = tmp_path / "dump"
+    run(load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(dump),
+                     "--training.steps", "2", "--training.seq_len", "32", "--training.local_batch_size", "2",
+                     "--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--memory.track", "off",
+                     "--checkpoint.enable", "true", "--moe.load_balance_coeff", "0"]))
+    ckpt = dump / "checkpoint" / "step-2"
+    assert convert_main(["from_dcp", str(ckpt), str(tmp_path / "hf"), "--flavor", "debugmodel"]) == 0
+    model = build_ours(FLAVORS["debugmodel"])
+    dcp.load({MODEL_KEY: model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)  # in place: the trained weights
+    _assert_transformers_logits_match(tmp_path / "hf", model)

@@ -25,8 +25,11 @@ import torch.distributed.checkpoint as dcp
 from .args import FLAVORS, ModelArgs
 from .hf import (
     args_from_hf_config_file,
+    check_exportable_bias,
     detect_mtp_layers,
     expected_shapes,
+    exported_bias_fqns,
+    hf_config_from_args,
     read_hf_state_dict,
     save_hf_checkpoint,
 )
@@ -88,6 +91,14 @@ def dcp_to_hf(dcp_dir: str | Path, out_dir: str | Path, args: ModelArgs, dtype: 
     if extra:
         raise ValueError(f"DCP checkpoint {dcp_dir} has model tensor {extra[0]} these args do not have "
                          "(wrong flavor or config?)")
+    # Preflight: what HF cannot express fails before the weights are read or anything is written. The expert
+    # biases are a few floats per layer, read on their own first.
+    hf_config_from_args(args, dtype)
+    biases = {fqn: torch.empty(expected[fqn]) for fqn in exported_bias_fqns(args)}
+    if biases:
+        with _single_process():
+            dcp.load({MODEL_KEY: biases}, checkpoint_id=str(dcp_dir), no_dist=True)
+        check_exportable_bias(biases, args)
     state = {fqn: torch.empty(shape) for fqn, shape in expected.items()}
     # DCP reads into these tensors in place (and converts from the stored dtype)
     with _single_process():

@@ -337,6 +337,27 @@ def expected_shapes(args: ModelArgs) -> dict[str, torch.Size]:
 
 # ----------------------------------------------------------------------------------------------- in-memory adapters
 
+def exported_bias_fqns(args: ModelArgs) -> list[str]:
+    """Our expert-bias FQNs that an export must find all zero: those of a softmax-routing model (deepseek_v2)."""
+    return _implied_zeros(args, expected_shapes(args))
+
+
+def check_exportable_bias(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> None:
+    """ValueError, naming the way out, when `args` exports as deepseek_v2 and an expert bias is not zero.
+
+    transformers' DeepseekV3 router always scores with sigmoid and DeepseekV2 has no selection bias, so no HF class
+    runs softmax scores with a bias: writing either would be another model.
+    """
+    for fqn in exported_bias_fqns(args):
+        if fqn in state_dict and state_dict[fqn].count_nonzero():
+            raise ValueError(
+                f"cannot export {fqn}: it is not zero and the model routes with softmax scores; transformers' "
+                "DeepseekV3 scores only with sigmoid and DeepseekV2 has no expert selection bias, so no HF class "
+                "runs this model. Way out: train with moe.load_balance_coeff = 0 (the bias stays zero; exports as "
+                "deepseek_v2), or with sigmoid routing (model.hf_config_path to a deepseek_v3 config.json; exports "
+                "as deepseek_v3 with its bias)")
+
+
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our state dict -> hub keys, with per-expert views of the stacked experts and the MTP layers' copies of the
     embedding and head. Tensors are views of the input (no copy). ValueError on a missing or mis-shaped tensor."""
@@ -346,10 +367,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
             raise ValueError(f"state dict has no {fqn}")
         if state_dict[fqn].shape != shape:
             raise ValueError(f"{fqn}: shape {list(state_dict[fqn].shape)}, expected {list(shape)} for these args")
-    if _hf_family(args) == "deepseek_v2":
-        for fqn in _implied_zeros(args, expected):
-            if state_dict[fqn].count_nonzero():
-                raise ValueError(f"cannot export {fqn}: DeepSeek-V2 (softmax routing) has no expert selection bias")
+    check_exportable_bias(state_dict, args)
     out = {}
     for hf_key, (fqn, slot) in hf_key_map(args).items():
         out[hf_key] = state_dict[fqn] if slot is None else state_dict[fqn][slot]
