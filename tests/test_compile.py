@@ -125,6 +125,38 @@ def test_compile_disabled_changes_nothing():
     assert compiled_modules(apply_compile(model, CompileSection(enable=True, components=["loss"]))) == []
 
 
+def test_compile_on_a_torch_without_per_call_recompile_limit(monkeypatch):
+    """torch 2.11's torch.compile has no `recompile_limit` keyword: apply_compile must not pass it there (it did,
+    and `--compile.enable true` failed with a TypeError on the GPU machines' torch 2.11) and must raise dynamo's
+    process-wide limit instead, so that per-block graphs still fit."""
+    real_compile = torch.compile
+
+    def compile_211(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,
+                    disable=False):  # torch 2.11.0's signature
+        return real_compile(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode,
+                            options=options, disable=disable)
+
+    monkeypatch.setattr(torch, "compile", compile_211)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with torch.device("meta"):
+        model = DeepSeekV3Model(TINY.replace(n_layers=6))
+    with torch._dynamo.config.patch(recompile_limit=8):
+        apply_compile(model, COMPILE)
+        assert torch._dynamo.config.recompile_limit == 12  # a training and an eval graph for each of the 6 blocks
+    assert len(compiled_modules(model)) == 6
+
+
+def test_compile_on_this_torch_sets_the_limit_per_call(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
+    with torch.device("meta"):
+        model = DeepSeekV3Model(TINY.replace(n_layers=6))
+    with torch._dynamo.config.patch(recompile_limit=8):
+        apply_compile(model, COMPILE)
+        assert torch._dynamo.config.recompile_limit == 8  # torch 2.13: per call, the global limit untouched
+    assert [c["recompile_limit"] for c in calls] == [12] * 6
+
+
 def test_compile_rejects_the_per_expert_loop():
     with torch.device("meta"):
         model = DeepSeekV3Model(TINY.replace(use_grouped_mm=False))
