@@ -50,7 +50,7 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _train_tiny(compiled: bool) -> tuple[list[float], list[int], list[float]]:
+def _train_tiny(compiled: bool, device: str = "cpu") -> tuple[list[float], list[int], list[float]]:
     """12 steps of the tiny model (AC selective per op when compiled: compile(AC(block))) on fresh random tokens.
 
     Every step changes the routing (new tokens, expert bias updated), the number of valid labels and so the
@@ -62,8 +62,8 @@ def _train_tiny(compiled: bool) -> tuple[list[float], list[int], list[float]]:
     if compiled:
         apply_ac(model, ActivationCheckpointSection(mode="selective"))
         apply_compile(model, COMPILE)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=torch.device(device), seed=0)
     model.train()
     for moe in model.moe_layers():
         moe.aux_loss_coeff = 1e-2
@@ -72,7 +72,7 @@ def _train_tiny(compiled: bool) -> tuple[list[float], list[int], list[float]]:
     data = torch.Generator().manual_seed(1)
     losses, graphs, routed = [], [], []
     for step in range(STEPS):
-        tokens = torch.randint(0, TINY.vocab_size, (BATCH, SEQ + 1), generator=data)
+        tokens = torch.randint(0, TINY.vocab_size, (BATCH, SEQ + 1), generator=data).to(device)
         inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
         labels[0, : step % 4] = IGNORE_INDEX
         valid = count_valid_tokens(labels).item()
@@ -99,6 +99,16 @@ def test_compiled_blocks_and_loss_train_without_recompiles():
     assert graphs[WARMUP:] == [graphs[WARMUP - 1]] * (STEPS - WARMUP), graphs
     assert losses == pytest.approx(eager_losses, rel=LOSS_RTOL)
     # tokens are counted once per forward, never again in the compiled backward's recompute
+    assert routed == eager_routed == [BATCH * SEQ * TINY.n_activated_experts] * STEPS
+
+
+@pytest.mark.cuda
+def test_compiled_blocks_and_loss_on_cuda_train_without_recompiles():
+    """The same on the GPU (inductor's Triton kernels, the CUDA grouped GEMM): no graph after the first step."""
+    eager_losses, _, eager_routed = _train_tiny(compiled=False, device="cuda")
+    losses, graphs, routed = _train_tiny(compiled=True, device="cuda")
+    assert graphs[WARMUP:] == [graphs[WARMUP - 1]] * (STEPS - WARMUP), graphs
+    assert losses == pytest.approx(eager_losses, rel=LOSS_RTOL)
     assert routed == eager_routed == [BATCH * SEQ * TINY.n_activated_experts] * STEPS
 
 
