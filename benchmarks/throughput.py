@@ -56,7 +56,10 @@ said otherwise:
                       optimizer, casts_copies, elementwise, communication, memcpy, other; the classifier is
                       `benchmarks.common.kernel_category`), busy_s (the union of all kernels), idle_s (step_s -
                       busy_s: the GPU waits for the host, e.g. launch overhead, Python, host syncs), share_of_step
-                      (each category and idle over step_s), kernels (count) and top_kernels
+                      (each category and idle over step_s), kernels (count), top_kernels, and phase_kernel_s:
+                      the kernel time by phase of the host op that launched it (data, forward, backward,
+                      optimizer, communication, other; an activation-checkpoint recompute runs in backward), so
+                      the cost of AC is (step time with AC - without) / forward kernel time without
   top_ops             the ops with the most self CPU time in the profiled step
   time_budget         the profiled step against the measured peak (deepseek_v3 models): for "matmul" (mm, addmm,
                       grouped_mm: the parameter matmuls) and "attention" (bmm and softmax of SDPA's math path, or
@@ -78,7 +81,8 @@ part of FSDP's all-gather and reduce-scatter and of the trainer's all-reduces is
 the profiler otherwise (gloo launches return at once; the copies run on gloo's worker threads). The rest (loss
 bookkeeping, `.item()` syncs, the LR schedule, the metric logger) is "other". Only the thread that runs the step
 counts (not gloo's workers, which copy while it waits; intra-op threads record no events), so the split is a split
-of its wall time.
+of its wall time; on CUDA the autograd engine's device thread, which runs backward while the caller waits, counts
+too.
 """
 
 
@@ -102,6 +106,7 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (  # noqa: E402  (needs the repo root on sys.path)
     gpu_time_split, labelled, machine_info, measure_matmul_peak, synchronize)
+from trainer.config import run_with_config_errors  # noqa: E402
 
 SMOKE_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
                 "--training.local_batch_size", "2", "--memory.track", "exact"]
@@ -133,26 +138,42 @@ def _phase_of(name: str) -> str | None:
 
 
 def _step_thread_events(events) -> list:
-    """The host events of the thread that ran the step: gloo's worker threads copy while it waits, so their time
-    is not step time (the wait is); device events (CUDA kernels) are not host time."""
+    """The host events of the threads that ran the step: the one that called it and, on CUDA, the autograd
+    engine's device thread, which runs backward while the caller waits. gloo's worker threads copy while the step
+    waits, so their time is not step time (the wait is); device events (CUDA kernels) are not host time."""
     from torch.autograd import DeviceType
 
     step_thread = next(e.thread for e in events if e.name.startswith("phase/"))
-    return [e for e in events if e.thread == step_thread and e.device_type == DeviceType.CPU]
+    threads = {step_thread} | {e.thread for e in events if e.name.startswith("autograd::engine::evaluate_function")}
+    return [e for e in events if e.thread in threads and e.device_type == DeviceType.CPU]
+
+
+def _phase_of_event(event) -> str:
+    """The phase of a host event: that of its innermost labelled ancestor, except that communication wins."""
+    phase, node = None, event
+    while node is not None and phase != "communication":
+        own = _phase_of(node.name)
+        if own == "communication" or (own is not None and phase is None):
+            phase = own
+        node = node.cpu_parent
+    return phase or "other"
 
 
 def time_split(events) -> dict[str, float]:
-    """Self CPU seconds per phase of the step thread's events: each event counts for its innermost labelled
-    ancestor (communication wins)."""
+    """Self CPU seconds per phase of the step threads' events (see `_phase_of_event`)."""
     split = dict.fromkeys(PHASES, 0.0)
     for event in _step_thread_events(events):
-        phase, node = None, event
-        while node is not None and phase != "communication":
-            own = _phase_of(node.name)
-            if own == "communication" or (own is not None and phase is None):
-                phase = own
-            node = node.cpu_parent
-        split[phase or "other"] += event.self_cpu_time_total / 1e6
+        split[_phase_of_event(event)] += event.self_cpu_time_total / 1e6
+    return split
+
+
+def phase_kernel_seconds(events) -> dict[str, float]:
+    """Device kernel seconds per phase: each kernel counts for the phase of the host op that launched it (an
+    activation-checkpoint recompute is launched in backward, so it counts there)."""
+    split = dict.fromkeys(PHASES, 0.0)
+    for event in _step_thread_events(events):
+        if event.kernels:
+            split[_phase_of_event(event)] += sum(k.duration for k in event.kernels) / 1e6
     return split
 
 
@@ -326,7 +347,10 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
     events = prof.events()
     split = time_split(events)
     split_total = sum(split.values())
-    gpu_split = gpu_time_split(device_kernels(events), step_window(events)) if cuda else None
+    gpu_split = None
+    if cuda:
+        gpu_split = gpu_time_split(device_kernels(events), step_window(events))
+        gpu_split["phase_kernel_s"] = phase_kernel_seconds(events)
     if cuda:  # the device's time: kernels, and the step from synchronisation to synchronisation
         kernel_s = gpu_split["kernel_s"]
         measured = {"matmul": kernel_s["gemm"] + kernel_s["grouped_gemm"], "attention": kernel_s["attention"]}
@@ -405,4 +429,4 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
-    main()
+    run_with_config_errors(main)  # a bad config or flag: one line, exit code 2

@@ -80,7 +80,10 @@ def check_throughput_report(report: dict, world_size: int, ep: int, memory_track
 
 def check_gpu_time_split(split: dict) -> None:
     """The schema of gpu_time_split (CUDA runs)."""
-    assert set(split) == {"step_s", "busy_s", "idle_s", "kernel_s", "share_of_step", "kernels", "top_kernels"}
+    assert set(split) == {"step_s", "busy_s", "idle_s", "kernel_s", "share_of_step", "kernels", "top_kernels",
+                          "phase_kernel_s"}
+    phases = split["phase_kernel_s"]
+    assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
     assert set(split["kernel_s"]) == set(KERNEL_CATEGORIES)
     assert set(split["share_of_step"]) == set(KERNEL_CATEGORIES) | {"idle"}
     assert 0 < split["busy_s"] <= split["step_s"] and split["idle_s"] == pytest.approx(
@@ -219,6 +222,15 @@ def test_smoke_report_schema():
     # the smoke run tracks memory exactly, so the trainer's peak is reported
     assert isinstance(report["peak_memory_bytes"], int) and report["peak_memory_bytes"] > 0
     assert report["time_split_s"]["communication"] == 0.0  # one process: no collectives
+
+
+def test_bad_flag_is_one_line_and_exit_2():
+    r = subprocess.run([sys.executable, "benchmarks/throughput.py", "--smoke", "--compile.enable", "true"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        "config error: memory.track: exact tracking makes compiled code run eagerly (it would silently measure an "
+        "uncompiled run); allowed: auto or off with compile.enable = true"]
 
 
 @pytest.mark.slow
