@@ -11,7 +11,8 @@
 # becomes a two-line wrapper around that python3 and the stamp tools/ensure_venv.sh checks is written, so
 # run_train.sh and run_tests.sh run as they are. Each step gets its own time limit, cut to what is left of
 # DEADLINE_S, so the script ends in time and a failing or slow step does not stop the others. Results in the
-# output folder: machine.txt, one throughput.py JSON report per variant (<name>.json), each step's stderr
+# output folder: machine.txt, one throughput.py JSON report per variant (<name>.json), attention_kernels.json
+# (benchmarks/attention_kernels.py at the same shapes), each step's stderr
 # (<name>.log), pytest's junit XML, and summary.txt (one line per step: exit code, seconds; 124 = time limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,10 +73,11 @@ bench() {
   python -c 'import pytest; print("pytest", pytest.__version__)' || echo "pytest: not installed"
 } 2>&1 | tee "$out/machine.txt"
 
-# (3) throughput: eager batch 2 and 4, compiled, AC full and selective (batch 2)
+# (3) throughput: eager batch 2 and 4, compiled, AC full and selective (batch 2); MLA attention on every SDPA kernel
 if [[ " $parts " == *" bench "* ]]; then
   bench throughput_b2 90
   bench throughput_b4 90 --training.local_batch_size 4
+  step attention_kernels 60 sh -c 'python benchmarks/attention_kernels.py > "$1"' sh "$out/attention_kernels.json"
   bench throughput_b2_compile 240 --compile.enable true
   bench throughput_b2_ac_full 90 --activation_checkpoint.mode full
   bench throughput_b2_ac_selective 90 --activation_checkpoint.mode selective

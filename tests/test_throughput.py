@@ -224,6 +224,27 @@ def test_smoke_report_schema():
     assert report["time_split_s"]["communication"] == 0.0  # one process: no collectives
 
 
+def test_attention_kernels_smoke_runs_every_variant_or_says_why(capsys):
+    from benchmarks import attention_kernels
+
+    report = attention_kernels.main(["--smoke"])
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(report))
+    results = report["results"]
+    assert set(results) == {"model"} | {f"{layout}/{b}" for layout in ("unequal", "padded")
+                                         for b in attention_kernels.BACKENDS}
+    for name, r in results.items():
+        if "error" in r:
+            assert set(r) == {"error"} and r["error"], name
+            continue
+        assert set(r) == {"forward_ms", "forward_backward_ms", "tflops", "peak_bytes", "max_abs_error"}, name
+        assert r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 and r["tflops"] > 0, name
+        # bf16 against the fp64 reference: output and all three input gradients
+        assert r["max_abs_error"] < 3e-2, (name, r)
+    # the model's own path and the math kernel run on every device; flash never takes v as it is
+    assert "error" not in results["model"] and "error" not in results["unequal/math"]
+    assert "error" in results["unequal/flash"]
+
+
 def test_bad_flag_is_one_line_and_exit_2():
     r = subprocess.run([sys.executable, "benchmarks/throughput.py", "--smoke", "--compile.enable", "true"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
