@@ -169,11 +169,14 @@ def time_split(events) -> dict[str, float]:
 
 def phase_kernel_seconds(events) -> dict[str, float]:
     """Device kernel seconds per phase: each kernel counts for the phase of the host op that launched it (an
-    activation-checkpoint recompute is launched in backward, so it counts there)."""
+    activation-checkpoint recompute is launched in backward, so it counts there). The profiler also links the GPU
+    side of `record_function` ranges to their host events: those are not kernels and are left out."""
+    kernels = {name for name, _, _ in device_kernels(events)}
     split = dict.fromkeys(PHASES, 0.0)
     for event in _step_thread_events(events):
-        if event.kernels:
-            split[_phase_of_event(event)] += sum(k.duration for k in event.kernels) / 1e6
+        launched = [k.duration for k in event.kernels if k.name in kernels] if not event.is_user_annotation else []
+        if launched:
+            split[_phase_of_event(event)] += sum(launched) / 1e6
     return split
 
 
@@ -191,17 +194,20 @@ def host_op_seconds(events) -> tuple[dict[str, float], float]:
 
 
 def device_kernels(events) -> list[tuple[str, float, float]]:
-    """(name, start_s, end_s) of every CUDA kernel and copy in the profiled events."""
+    """(name, start_s, end_s) of every CUDA kernel and copy in the profiled events; not the GPU-side copies of
+    `record_function` ranges (user annotations), which span kernels rather than run any."""
     from torch.autograd import DeviceType
 
     return [(e.name, e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events
-            if e.device_type == DeviceType.CUDA]
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
 
 
 def step_window(events) -> tuple[float, float]:
-    """(start_s, end_s) of the profiled step: the benchmark's STEP_LABEL range, which begins and ends with a device
+    """(start_s, end_s) of the profiled step: the host's STEP_LABEL range, which begins and ends with a device
     synchronisation, so every kernel of the step lies inside."""
-    label = next(e for e in events if e.name == STEP_LABEL)
+    from torch.autograd import DeviceType
+
+    label = next(e for e in events if e.name == STEP_LABEL and e.device_type == DeviceType.CPU)
     return label.time_range.start / 1e6, label.time_range.end / 1e6
 
 

@@ -215,6 +215,47 @@ def test_step_window_and_device_kernels_from_a_profile():
     assert split["idle_s"] == split["step_s"] == pytest.approx(hi - lo) and split["busy_s"] == 0
 
 
+def _event(name, start_us, end_us, device="cpu", thread=1, parent=None, kernels=(), annotation=False):
+    """A stand-in for the profiler's FunctionEvent with the fields the benchmark reads."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval, Kernel
+
+    return SimpleNamespace(name=name, time_range=Interval(start_us, end_us), thread=thread, cpu_parent=parent,
+                           device_type=DeviceType.CUDA if device == "cuda" else DeviceType.CPU,
+                           is_user_annotation=annotation, self_cpu_time_total=0.0,
+                           kernels=[Kernel(k, 0, d) for k, d in kernels])
+
+
+def test_cuda_profile_parsing_on_stand_in_events():
+    """How the benchmark reads a CUDA profile: kernels, not the GPU copies of record_function ranges; the host's
+    step window; kernel time by the phase of the launching op, backward on the autograd engine's own thread."""
+    from benchmarks.throughput import STEP_LABEL, device_kernels, phase_kernel_seconds, step_window
+
+    gemm, adam = RECORDED_KERNELS["gemm"][1], RECORDED_KERNELS["optimizer"][0]
+    step = _event(STEP_LABEL, 0, 10_000, annotation=True, kernels=[(STEP_LABEL, 9_000)])
+    fwd = _event("phase/forward", 100, 2_000, parent=step, annotation=True, kernels=[("phase/forward", 1_500)])
+    mm = _event("aten::mm", 200, 300, parent=fwd, kernels=[(gemm, 1_000)])
+    bwd_node = _event("autograd::engine::evaluate_function: MmBackward0", 2_500, 2_600, thread=2)
+    mm_bwd = _event("aten::mm", 2_510, 2_590, thread=2, parent=bwd_node, kernels=[(gemm, 2_000)])
+    opt = _event("Optimizer.step#AdamW.step", 5_000, 5_100, parent=step, annotation=True)
+    fused = _event("aten::_fused_adamw_", 5_010, 5_090, parent=opt, kernels=[(adam, 700)])
+    gloo = _event("aten::mm", 5_000, 5_050, thread=3, kernels=[(gemm, 50)])  # another thread: not the step's
+    on_gpu = [_event(STEP_LABEL, 50, 9_500, device="cuda", annotation=True),
+              _event("phase/forward", 300, 1_800, device="cuda", annotation=True),
+              _event(gemm, 300, 1_300, device="cuda"), _event(gemm, 2_700, 4_700, device="cuda"),
+              _event(adam, 5_200, 5_900, device="cuda")]
+    events = [step, fwd, mm, bwd_node, mm_bwd, opt, fused, gloo] + on_gpu
+    assert step_window(events) == (0.0, 0.01)
+    assert device_kernels(events) == [(gemm, 3e-4, 1.3e-3), (gemm, 2.7e-3, 4.7e-3), (adam, 5.2e-3, 5.9e-3)]
+    phases = phase_kernel_seconds(events)
+    assert phases == pytest.approx({"data": 0, "forward": 1e-3, "backward": 2e-3, "optimizer": 7e-4,
+                                    "communication": 0, "other": 0})
+    split = gpu_time_split(device_kernels(events), step_window(events))
+    assert split["busy_s"] == pytest.approx(3.7e-3) and split["idle_s"] == pytest.approx(6.3e-3)
+
+
 def test_smoke_report_schema():
     report = _run_json("benchmarks/throughput.py", timeout=120)
     check_throughput_report(report, world_size=1, ep=1, memory_track="exact")
