@@ -1,5 +1,5 @@
-"""The CUDA-only paths: attention kernel choice, the loss, fused AdamW, host syncs in a training step, the process
-group's backends for async checkpoints.
+"""The CUDA-only paths: attention kernel choice, fused RMSNorm under autocast, the loss, fused AdamW, host syncs in a
+training step, the process group's backends for async checkpoints.
 
 Tests marked `cuda` are skipped with a reason on CPU (tests/conftest.py) and run on a GPU machine from the same
 command (`./run_tests.sh -m cuda`, or benchmarks/gpu_session.sh). They are written against torch 2.11 and later.
@@ -138,6 +138,19 @@ def test_cuda_fused_adamw_runs_the_fused_kernel_and_matches_the_reference():
                 assert counter.counts.get("aten._fused_adamw_.default") == 1, counter.counts
     for p, r in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.detach().cpu(), r.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_rms_norms_run_the_fused_kernel_under_autocast():
+    """Every RMSNorm of a bf16-autocast forward (MLA's latent norms get bf16 inputs, the block norms fp32 ones)
+    dispatches torch's fused rms_norm kernel, never the decomposed ops."""
+    model = build_cuda(TINY.replace(q_lora_rank=32))
+    counter = OpCounter()
+    with counter, torch.autocast("cuda", dtype=torch.bfloat16):
+        model(torch.randint(0, TINY.vocab_size, (2, 32), device="cuda"))
+    norms = sum(isinstance(m, torch.nn.RMSNorm) for m in model.modules())
+    assert counter.counts["aten._fused_rms_norm.default"] == norms, counter.counts
+    assert counter.counts["aten.rsqrt.default"] == 0, counter.counts
 
 
 def _count_syncs(fn) -> int:

@@ -503,6 +503,39 @@ def test_model_trains_a_few_steps_on_one_batch():
     assert losses[-1] < losses[0] - 1.0
 
 
+def test_rms_norm_weight_takes_the_input_dtype_under_autocast():
+    """bf16 latents meet fp32 norm weights under autocast: no dtype mismatch (which keeps torch off its fused
+    rms_norm kernel on CUDA, with a warning), values as the fp64 norm with the weight rounded to bf16."""
+    import warnings
+
+    model = build(TINY.replace(q_lora_rank=16, num_mtp_layers=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randint(0, 64, (2, 16)))
+        out.float().sum().backward()
+    assert not [w for w in caught if "Mismatch dtype" in str(w.message)], [str(w.message) for w in caught]
+    from models.deepseek_v3.norm import RMSNorm
+
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    # 4 per block (attention, ffn, q and kv latents) in 3 layers + 1 MTP block, the final norm, 3 more in MTP
+    assert len(norms) == 4 * 4 + 1 + 3 and all(isinstance(m, RMSNorm) for m in norms)
+
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(48, generator=gen))
+    x = torch.randn(5, 48, generator=gen)
+    xd, wd = x.bfloat16().double(), norm.weight.detach().bfloat16().double()
+    want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * wd
+    got = norm(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=0)
+    plain = torch.nn.RMSNorm(48, eps=1e-6)
+    plain.load_state_dict(norm.state_dict())
+    assert torch.equal(norm(x), plain(x))  # fp32 input, fp32 weight: nothing changes
+
+
 def test_bf16_attention_pads_v_for_the_flash_kernel_and_matches_the_reference():
     """MLA's unequal head dims in bf16 on CPU: zero-padded v on the flash kernel, outputs and grads as exact SDPA."""
     from models.deepseek_v3.model import attention
