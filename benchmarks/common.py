@@ -1,13 +1,18 @@
-"""Pieces shared by the benchmark scripts."""
+"""Pieces shared by the benchmark scripts: machine description, profiler labels, device timing and the GPU kernel
+time split."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
+import time
 
 
 def machine_info() -> dict:
-    """CPU model, cores, torch threads and version, and the load average now (other processes on a 2-core machine
-    make every timing slower and noisier, so reports carry it)."""
+    """CPU model, cores, torch threads and version, the load average now (other processes on a 2-core machine
+    make every timing slower and noisier, so reports carry it), and the GPU (`gpu_info`) or None."""
     import torch
 
     model = "unknown"
@@ -17,7 +22,25 @@ def machine_info() -> dict:
                 model = line.split(":", 1)[1].strip()
                 break
     return {"cpu": model, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "load_average_before": os.getloadavg()}
+            "torch": torch.__version__, "load_average_before": os.getloadavg(), "gpu": gpu_info()}
+
+
+def gpu_info() -> dict | None:
+    """The CUDA device this process uses: name, memory, compute capability, CUDA and cuDNN versions of torch's
+    build, and the driver (from nvidia-smi; None where it is missing). None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    driver = None
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        driver = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    return {"name": props.name, "memory_bytes": props.total_memory, "capability": f"{props.major}.{props.minor}",
+            "count": torch.cuda.device_count(), "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+            "driver": driver}
 
 
 def labelled(name: str, fn):
@@ -29,3 +52,118 @@ def labelled(name: str, fn):
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def synchronize(device) -> None:
+    """Wait until `device` has finished the work queued so far (a no-op on CPU, whose ops return when done)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_peak(dtype, device, n: int, repeats: int = 8) -> float:
+    """Dense matmul peak in TFLOP/s on `device`: the best of `repeats` timed n x n x n products after warm-up,
+    each timed from a device synchronisation to the next (on CUDA the launch is asynchronous)."""
+    import torch
+
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(2):  # first calls: oneDNN / cuBLAS pick and cache their kernel, the GPU clocks up
+        torch.mm(a, b)
+    synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e12
+
+
+# ----------------------------------------------------------------------------------------------- GPU kernel split
+
+KERNEL_CATEGORIES = ("gemm", "grouped_gemm", "attention", "optimizer", "casts_copies", "elementwise",
+                     "communication", "memcpy", "other")
+
+# (category, pattern searched in the demangled kernel name), first match wins. The order matters: attention
+# kernels are CUTLASS kernels too, grouped GEMMs are GEMMs, casts are elementwise kernels, and inductor's own
+# kernels say what they are in their prefix.
+_KERNEL_RULES = [
+    ("communication", re.compile(r"nccl|deep_ep|nvshmem", re.I)),
+    ("memcpy", re.compile(r"^Mem(cpy|set)\b")),  # the profiler's names for copies and fills by the copy engines
+    ("elementwise", re.compile(r"^triton_poi_")),  # inductor: pointwise
+    ("other", re.compile(r"^triton_(per|red)_")),  # inductor: reductions (norms, softmax, sums)
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|attn", re.I)),
+    ("grouped_gemm", re.compile(r"grouped|GroupProblemShape|ptr_array", re.I)),
+    ("optimizer", re.compile(r"multi_tensor_apply|FusedAdam|fused_adam|lpnorm_cleanup", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|xmma|gemv|splitKreduce|cutlass|wgmma|^triton_tem_.*mm", re.I)),
+    ("casts_copies", re.compile(r"copy_kernel|CatArrayBatchedCopy", re.I)),
+    ("elementwise", re.compile(r"elementwise_kernel", re.I)),
+]
+
+
+def kernel_category(name: str) -> str:
+    """The category of a CUDA kernel (or copy engine activity) by its demangled name; one of KERNEL_CATEGORIES.
+
+    gemm: cuBLAS/cuBLASLt (`sm90_xmma_gemm_*`, `nvjet_*`, split-K reduce) and CUTLASS GEMMs; grouped_gemm:
+    `torch._grouped_mm`'s CUTLASS grouped kernels and inductor's grouped templates; attention: flash,
+    memory-efficient (`fmha_cutlass*`) and cuDNN SDPA kernels; optimizer: the multi-tensor kernels of fused/foreach
+    AdamW and of gradient-norm clipping; casts_copies: copy kernels, which do dtype casts and layout copies alike
+    (their names do not say which); elementwise: the other pointwise kernels; communication: NCCL, DeepEP,
+    NVSHMEM; memcpy: host/device copies and memsets; other: reductions, norms, softmax, sort, index, embedding,
+    loss.
+    """
+    for category, pattern in _KERNEL_RULES:
+        if pattern.search(name):
+            return category
+    return "other"
+
+
+def busy_seconds(intervals: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    """Length of the union of `intervals` (start, end) clipped to `window`: the time at least one runs."""
+    lo, hi = window
+    clipped = sorted((max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi)
+    busy, cur_start, cur_end = 0.0, None, None
+    for s, e in clipped:
+        if cur_end is None or s > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    return busy
+
+
+def gpu_time_split(kernels: list[tuple[str, float, float]], window: tuple[float, float], top: int = 15) -> dict:
+    """Kernel time of one step by category, and the GPU's idle time.
+
+    `kernels`: (name, start_s, end_s) of every kernel and copy the profiler saw on the device; `window`: the step's
+    (start_s, end_s) on the same clock, from a device synchronisation to the next, so every kernel of the step lies
+    inside. idle_s is the part of the window where no kernel runs: the GPU waits for the host (launch overhead,
+    Python, host syncs). Kernels on several streams can overlap, so the categories can add up to more than busy_s.
+    """
+    lo, hi = window
+    inside = [(n, max(s, lo), min(e, hi)) for n, s, e in kernels if e > lo and s < hi]
+    seconds = dict.fromkeys(KERNEL_CATEGORIES, 0.0)
+    per_name: dict[str, list] = {}
+    for name, s, e in inside:
+        seconds[kernel_category(name)] += e - s
+        entry = per_name.setdefault(name, [0.0, 0])
+        entry[0] += e - s
+        entry[1] += 1
+    step = hi - lo
+    busy = busy_seconds([(s, e) for _, s, e in inside], window)
+    rows = sorted(per_name.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+    return {
+        "step_s": step,
+        "busy_s": busy,
+        "idle_s": step - busy,
+        "kernel_s": seconds,
+        "share_of_step": {**{k: v / step for k, v in seconds.items()}, "idle": (step - busy) / step},
+        "kernels": len(inside),
+        "top_kernels": [{"name": name[:200], "category": kernel_category(name), "ms": round(t * 1e3, 3),
+                         "count": count} for name, (t, count) in rows],
+    }

@@ -1,7 +1,8 @@
-"""Training throughput of one process (or of each rank under torchrun) against the machine's own matmul peak:
-tokens/s, TFLOP/s, MFU, time split (communication included).
+"""Training throughput of one process (or of each rank under torchrun) against the device's own matmul peak:
+tokens/s, TFLOP/s, MFU, time split (communication included) and, on CUDA, where the GPU's time goes.
 
     python benchmarks/throughput.py --config train_configs/cpu_bench.toml              # 10 timed steps after 2
+    python benchmarks/throughput.py --config train_configs/h100_bench.toml             # one GPU, 16B shapes
     python benchmarks/throughput.py --config train_configs/debug_model.toml --training.seq_len 256 \\
         --training.local_batch_size 4 --memory.track off --training.dtype bfloat16      # + any trainer flag
     python benchmarks/throughput.py --smoke                                             # tiny run: checks the schema
@@ -9,20 +10,25 @@ tokens/s, TFLOP/s, MFU, time split (communication included).
         --smoke --parallelism.expert_parallel_degree 2                                  # 2 gloo ranks, EP 2
 
 The steps are the trainer's own (`trainer.train.Trainer.train`: data loader, forward, backward, grad clipping,
-AdamW, LR schedule, MoE bias update, memory tracking as configured). Run directly, it is one process without a
+AdamW, LR schedule, MoE bias update, memory tracking as configured), on the device the trainer chooses
+(`trainer.device`: cuda:LOCAL_RANK when CUDA is present, else the CPU). Run directly, it is one process without a
 process group, so communication is 0. Under torchrun (RANK in the environment) every rank joins the process group
 (`trainer.device.init_distributed`) and trains its part of the job with the degrees of `[parallelism]`, exactly as
 `trainer.train` would; only rank 0 prints the report, and the other ranks' logs go to stderr. Forced for the
 benchmark: tensorboard, validation and checkpointing off, outputs in a temporary folder, `training.steps` =
-warm-up + timed + 1 profiled step.
+warm-up + timed + 1 profiled step. Each step is timed from a device synchronisation before it to one after it (on
+CUDA a step's kernels may still run when `train_step` returns).
 
 Output: one JSON object on stdout (the trainer's log on stderr); under torchrun the numbers are rank 0's unless
 said otherwise:
   machine     CPU model, cores, torch threads, torch version, load average before and after (other processes on
-              the machine make every number slower and noisier)
-  config      model flavor, dtype, batch (per rank), seq_len, steps, warm-up, compile, memory.track, FLOPs per
-              token (`models/deepseek_v3/flops.py`: 6 x active matmul params + causal attention), gemm_n,
-              single_process (false under torchrun), world_size, parallel_degrees {dp_replicate, dp_shard, ep, pp}
+              the machine make every number slower and noisier); gpu: name, memory, compute capability, count,
+              torch's CUDA and cuDNN versions, driver (from nvidia-smi), or null without CUDA
+  config      model flavor, n_layers, params, dtype, batch (per rank), seq_len, steps, warm-up, compile,
+              activation_checkpoint mode, memory.track, FLOPs per token (`models/deepseek_v3/flops.py`: 6 x active
+              matmul params + causal attention), device, gemm_n, float32_matmul_precision (torch's: "highest" =
+              no TF32), single_process (false under torchrun), world_size, parallel_degrees {dp_replicate,
+              dp_shard, ep, pp}
   tokens_per_s            per rank, at the median step time
   aggregate_tokens_per_s  the job's tokens/s: the sum over ranks of each rank's tokens/s at its own median step
                           time (divided by pp, since the stages of a pipeline share their tokens); gathered with
@@ -30,38 +36,55 @@ said otherwise:
   rank_step_time_s        every rank's median step time, by rank
   step_time_s         median, min, max over the timed steps; all: every timed step
   model_tflops        tokens_per_s x FLOPs per token / 1e12
-  peak_tflops         the machine's dense matmul peak measured by this script in this process, same dtype and
-                      thread count as training: best of a few n x n x n GEMMs (n = 2048; 512 with --smoke); under
-                      torchrun every rank measures at the same time, so it is one process's peak while the other
-                      ranks load the other cores, as in training
+  gemm_peak_tflops    {bfloat16, float32}: the device's dense matmul peak measured by this script in this process
+                      after training: best of 8 n x n x n GEMMs, each timed between device synchronisations (n =
+                      gemm_n: 2048 on CPU, 8192 on CUDA, 512 with --smoke); on CPU with the training's thread
+                      count; under torchrun every rank measures at the same time, so it is one process's peak while
+                      the other ranks load the other cores (or GPUs), as in training
+  peak_tflops         gemm_peak_tflops of the training dtype
   mfu                 model_tflops / peak_tflops
-  peak_memory_bytes   the highest per-step peak of the trainer's exact tracker over the timed steps (parameters,
-                      gradients, optimizer state, activations); null unless the tracker is exact (memory.track
-                      exact, or auto on CPU)
-  time_split_s        CPU time of one profiled step (after the timed ones) by phase: data, forward, backward,
-  time_split_share    optimizer, communication, other; and each phase's share of the step
+  peak_memory_bytes   the highest per-step peak of tensor memory over the timed steps: the trainer's exact tracker
+                      (parameters, gradients, optimizer state, activations) when it is exact, else on CUDA the
+                      caching allocator's peak allocated bytes; null on CPU without the exact tracker
+  allocator           CUDA only (null on CPU): peak_allocated_bytes and peak_reserved_bytes, the highest of each
+                      step's torch.cuda.max_memory_allocated / max_memory_reserved over the timed steps
+  time_split_s        host time of one profiled step (after the timed ones) by phase: data, forward, backward,
+  time_split_share    optimizer, communication, other; and each phase's share of the step. On CUDA this is the
+                      host thread's time (launching kernels, waiting for the device), not the GPU's
+  gpu_time_split      CUDA only (null on CPU): the profiled step on the GPU, from a device synchronisation to the
+                      next (step_s): kernel_s, the kernel time by category (gemm, grouped_gemm, attention,
+                      optimizer, casts_copies, elementwise, communication, memcpy, other; the classifier is
+                      `benchmarks.common.kernel_category`), busy_s (the union of all kernels), idle_s (step_s -
+                      busy_s: the GPU waits for the host, e.g. launch overhead, Python, host syncs), share_of_step
+                      (each category and idle over step_s), kernels (count), top_kernels, and phase_kernel_s:
+                      the kernel time by phase of the host op that launched it (data, forward, backward,
+                      optimizer, communication, other; an activation-checkpoint recompute runs in backward), so
+                      the cost of AC is (step time with AC - without) / forward kernel time without
   top_ops             the ops with the most self CPU time in the profiled step
   time_budget         the profiled step against the measured peak (deepseek_v3 models): for "matmul" (mm, addmm,
                       grouped_mm: the parameter matmuls) and "attention" (bmm and softmax of SDPA's math path, or
-                      the flash kernels), measured_s (self CPU time), at_peak_s (their model FLOPs / peak) and
-                      efficiency (at_peak_s / measured_s); rest_s (every other op and the Python between ops);
-                      step_at_peak_s (all model FLOPs / peak) and profiled_step_s (the step thread's total). It
+                      the flash kernels), measured_s, at_peak_s (their model FLOPs / peak) and efficiency (at_peak_s
+                      / measured_s); rest_s (everything else); step_at_peak_s (all model FLOPs / peak) and
+                      profiled_step_s. measured_s is self CPU time of those ops on CPU, and on CUDA the kernel time
+                      of gemm + grouped_gemm and of attention, with profiled_step_s = gpu_time_split's step_s. It
                       says where MFU is lost: GEMMs below peak, attention, or work with no model FLOPs
 
-Time split method: one `torch.profiler` pass (CPU activity) over one step. The benchmark labels the phases with
-`record_function` by wrapping, on this trainer instance only, the data loader's `next_batch` ("data"), the
-model's `forward` and the loss ("forward"), and `clip_grad_norm_` and the MoE bias update ("optimizer");
-torch.optim labels its own `step` and `zero_grad` ("optimizer"), and the autograd engine labels every backward
-node it runs ("backward"). Every profiled event's self CPU time goes to the phase of its innermost labelled
-ancestor; "communication" wins wherever it runs: collective ops (`c10d::*`, the functional collectives
-`_c10d_functional::*` with their `wait_tensor`, which is where the expert-parallel all-to-all blocks, and
-`gloo:*`/`nccl:*`), and `Work.wait()`, which the benchmark labels during the profiled step because the blocking
+Time split method: one `torch.profiler` pass (CPU activity, plus CUDA activity on CUDA) over one step. The
+benchmark labels the phases with `record_function` by wrapping, on this trainer instance only, the data loader's
+`next_batch` ("data"), the model's `forward` and the loss ("forward"), and `clip_grad_norm_` and the MoE bias
+update ("optimizer"); torch.optim labels its own `step` and `zero_grad` ("optimizer"), and the autograd engine
+labels every backward node it runs ("backward"). Every profiled event's self CPU time goes to the phase of its
+innermost labelled ancestor; "communication" wins wherever it runs: collective ops (`c10d::*`, the functional
+collectives `_c10d_functional::*` with their `wait_tensor`, which is where the expert-parallel all-to-all blocks,
+and `gloo:*`/`nccl:*`), and `Work.wait()`, which the benchmark labels during the profiled step because the blocking
 part of FSDP's all-gather and reduce-scatter and of the trainer's all-reduces is a Python call to it, invisible to
 the profiler otherwise (gloo launches return at once; the copies run on gloo's worker threads). The rest (loss
 bookkeeping, `.item()` syncs, the LR schedule, the metric logger) is "other". Only the thread that runs the step
 counts (not gloo's workers, which copy while it waits; intra-op threads record no events), so the split is a split
-of its wall time.
+of its wall time; on CUDA the autograd engine's device thread, which runs backward while the caller waits, counts
+too.
 """
+
 
 from __future__ import annotations
 
@@ -81,7 +104,9 @@ REPO = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import labelled, machine_info  # noqa: E402  (needs the repo root on sys.path)
+from benchmarks.common import (  # noqa: E402  (needs the repo root on sys.path)
+    gpu_time_split, labelled, machine_info, measure_matmul_peak, synchronize)
+from trainer.config import run_with_config_errors  # noqa: E402
 
 SMOKE_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
                 "--training.local_batch_size", "2", "--memory.track", "exact"]
@@ -95,21 +120,8 @@ ATTENTION_OPS = {"aten::bmm", "aten::_softmax", "aten::_safe_softmax", "aten::_s
                  "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
 COMM_PREFIXES = ("c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param_comms")
-
-
-def measure_matmul_peak(dtype, n: int = 2048, repeats: int = 8) -> float:
-    """Dense matmul peak in TFLOP/s: the best of `repeats` timed n x n x n products (after one warm-up)."""
-    import torch
-
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    torch.mm(a, b)  # first call: oneDNN picks and caches its kernel
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e12
+STEP_LABEL = "benchmark/profiled_step"
+GEMM_N = {"cpu": 2048, "cuda": 8192}  # large enough to reach the device's GEMM peak, small enough to time quickly
 
 
 def _phase_of(name: str) -> str | None:
@@ -126,29 +138,82 @@ def _phase_of(name: str) -> str | None:
 
 
 def _step_thread_events(events) -> list:
-    """The events of the thread that ran the step: gloo's worker threads copy while it waits, so their time is not
-    step time (the wait is)."""
+    """The host events of the threads that ran the step: the one that called it and, on CUDA, the autograd
+    engine's device thread, which runs backward while the caller waits. gloo's worker threads copy while the step
+    waits, so their time is not step time (the wait is); device events (CUDA kernels) are not host time."""
+    from torch.autograd import DeviceType
+
     step_thread = next(e.thread for e in events if e.name.startswith("phase/"))
-    return [e for e in events if e.thread == step_thread]
+    threads = {step_thread} | {e.thread for e in events if e.name.startswith("autograd::engine::evaluate_function")}
+    return [e for e in events if e.thread in threads and e.device_type == DeviceType.CPU]
+
+
+def _phase_of_event(event) -> str:
+    """The phase of a host event: that of its innermost labelled ancestor, except that communication wins."""
+    phase, node = None, event
+    while node is not None and phase != "communication":
+        own = _phase_of(node.name)
+        if own == "communication" or (own is not None and phase is None):
+            phase = own
+        node = node.cpu_parent
+    return phase or "other"
 
 
 def time_split(events) -> dict[str, float]:
-    """Self CPU seconds per phase of the step thread's events: each event counts for its innermost labelled
-    ancestor (communication wins)."""
+    """Self CPU seconds per phase of the step threads' events (see `_phase_of_event`)."""
     split = dict.fromkeys(PHASES, 0.0)
     for event in _step_thread_events(events):
-        phase, node = None, event
-        while node is not None and phase != "communication":
-            own = _phase_of(node.name)
-            if own == "communication" or (own is not None and phase is None):
-                phase = own
-            node = node.cpu_parent
-        split[phase or "other"] += event.self_cpu_time_total / 1e6
+        split[_phase_of_event(event)] += event.self_cpu_time_total / 1e6
     return split
 
 
-def time_budget(events, cfg, tokens: int, peak_tflops: float) -> dict | None:
-    """Matmul and attention self time of the step thread against their model FLOPs at the measured peak."""
+def phase_kernel_seconds(events) -> dict[str, float]:
+    """Device kernel seconds per phase: each kernel counts for the phase of the host op that launched it (an
+    activation-checkpoint recompute is launched in backward, so it counts there). The profiler also links the GPU
+    side of `record_function` ranges to their host events: those are not kernels and are left out."""
+    kernels = {name for name, _, _ in device_kernels(events)}
+    split = dict.fromkeys(PHASES, 0.0)
+    for event in _step_thread_events(events):
+        launched = [k.duration for k in event.kernels if k.name in kernels] if not event.is_user_annotation else []
+        if launched:
+            split[_phase_of_event(event)] += sum(launched) / 1e6
+    return split
+
+
+def host_op_seconds(events) -> tuple[dict[str, float], float]:
+    """Self CPU seconds of the step thread's matmul and attention ops, and of all its events (CPU steps)."""
+    measured = {"matmul": 0.0, "attention": 0.0}
+    total = 0.0
+    for event in _step_thread_events(events):
+        seconds = event.self_cpu_time_total / 1e6
+        total += seconds
+        kind = "matmul" if event.name in MATMUL_OPS else "attention" if event.name in ATTENTION_OPS else None
+        if kind:
+            measured[kind] += seconds
+    return measured, total
+
+
+def device_kernels(events) -> list[tuple[str, float, float]]:
+    """(name, start_s, end_s) of every CUDA kernel and copy in the profiled events; not the GPU-side copies of
+    `record_function` ranges (user annotations), which span kernels rather than run any."""
+    from torch.autograd import DeviceType
+
+    return [(e.name, e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+
+
+def step_window(events) -> tuple[float, float]:
+    """(start_s, end_s) of the profiled step: the host's STEP_LABEL range, which begins and ends with a device
+    synchronisation, so every kernel of the step lies inside."""
+    from torch.autograd import DeviceType
+
+    label = next(e for e in events if e.name == STEP_LABEL and e.device_type == DeviceType.CPU)
+    return label.time_range.start / 1e6, label.time_range.end / 1e6
+
+
+def time_budget(measured: dict[str, float], total: float, cfg, tokens: int, peak_tflops: float) -> dict | None:
+    """Matmul and attention time of the profiled step (`measured`, out of `total` seconds) against their model
+    FLOPs at the measured peak."""
     from models.deepseek_v3.flops import attention_flops_per_token, count_params
     from trainer.registry import get_model_spec
 
@@ -158,14 +223,6 @@ def time_budget(events, cfg, tokens: int, peak_tflops: float) -> dict | None:
     counts = count_params(args)
     flops = {"matmul": 6.0 * (counts.active - counts.embedding) * tokens,
              "attention": attention_flops_per_token(args, cfg.training.seq_len) * tokens}
-    measured = dict.fromkeys(flops, 0.0)
-    total = 0.0
-    for event in _step_thread_events(events):
-        seconds = event.self_cpu_time_total / 1e6
-        total += seconds
-        kind = "matmul" if event.name in MATMUL_OPS else "attention" if event.name in ATTENTION_OPS else None
-        if kind:
-            measured[kind] += seconds
     budget = {}
     for kind, f in flops.items():
         at_peak = f / (peak_tflops * 1e12)
@@ -187,18 +244,18 @@ def _instrument(trainer) -> None:
         trainer.spec, post_optimizer_step=labelled("phase/optimizer", trainer.spec.post_optimizer_step))
 
 
-def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict | None:
+def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> dict | None:
     """Train `warmup + steps + 1` steps with the trainer in this process (one rank of the job under torchrun)
-    and measure them; returns the report on rank 0, None on the other ranks."""
+    and measure them; returns the report on rank 0, None on the other ranks. `gemm_n`: the size of the peak's
+    GEMMs (None: GEMM_N of the device)."""
     import torch
     import torch.distributed as dist
     import trainer.train as train_module
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
     from trainer import device as devices
     from trainer.config import load_config
     from trainer.train import Trainer, prepare
 
-    machine = machine_info()
     total = warmup + steps + 1
     distributed = "RANK" in os.environ
     world_size, rank = devices.world_size_from_env(), int(os.environ.get("RANK", 0))
@@ -208,20 +265,43 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict | 
             "--metrics.log_freq", str(total), "--validation.enable", "false", "--checkpoint.enable", "false"])
         # as trainer.train.run: every check on the config before the process group exists
         prep = prepare(cfg, world_size, rank)
-        device = devices.init_distributed() if distributed else torch.device("cpu")
+        # the trainer's choice: cuda:LOCAL_RANK when CUDA is present, else the CPU; a process group only under
+        # torchrun
+        device = devices.init_distributed()
+        cuda = device.type == "cuda"
+        machine = machine_info()
+        gemm_n = gemm_n or GEMM_N[device.type]
         try:
             trainer = Trainer(prep, device)
             _instrument(trainer)
             profiled_step, step_fn, prof_box = total, trainer.train_step, []
+            step_times, allocator_peaks = [], []
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+            def timed_step(step: int) -> dict:
+                # from one device synchronisation to the next: on CUDA the step's kernels may still run when
+                # train_step returns
+                synchronize(device)
+                t0 = time.perf_counter()
+                scalars = step_fn(step)
+                synchronize(device)
+                step_times.append(time.perf_counter() - t0)
+                if cuda:  # the step's own peaks: the trainer's monitor resets them at every step end
+                    allocator_peaks.append((torch.cuda.max_memory_allocated(device),
+                                            torch.cuda.max_memory_reserved(device)))
+                return scalars
 
             def train_step(step: int) -> dict:
                 if step != profiled_step:
-                    return step_fn(step)
-                with profile(activities=[ProfilerActivity.CPU]) as prof, \
+                    return timed_step(step)
+                with profile(activities=activities) as prof, \
                         mock.patch.object(train_module, "clip_grad_norm_",
                                           labelled("phase/optimizer", train_module.clip_grad_norm_)), \
-                        mock.patch.object(dist.Work, "wait", labelled("phase/communication", dist.Work.wait)):
+                        mock.patch.object(dist.Work, "wait", labelled("phase/communication", dist.Work.wait)), \
+                        record_function(STEP_LABEL):
+                    synchronize(device)
                     scalars = step_fn(step)
+                    synchronize(device)
                 prof_box.append(prof)
                 return scalars
 
@@ -237,7 +317,7 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict | 
             per_rank_batch = (global_batch // trainer.dims.dp if global_batch != -1
                               else cfg.training.local_batch_size)
             tokens_per_step = per_rank_batch * cfg.training.seq_len
-            times = [tokens_per_step / h["throughput/tokens_per_s"] for h in history[warmup:warmup + steps]]
+            times = step_times[warmup:warmup + steps]
             median = statistics.median(times)
             rank_medians = [median]
             if distributed:  # after the timed steps, so the gather does not slow them
@@ -246,7 +326,9 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict | 
             dtype = torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32
             # every rank right after the gather: one process's peak while the others load the other cores, as in
             # training (and as in independent runs sharing the machine)
-            peak = measure_matmul_peak(dtype, n=gemm_n)
+            gemm_peaks = {str(d).removeprefix("torch."): measure_matmul_peak(d, device, gemm_n)
+                          for d in (torch.bfloat16, torch.float32)}
+            peak = gemm_peaks[str(dtype).removeprefix("torch.")]
         finally:
             devices.shutdown_distributed()
     if rank != 0:
@@ -258,22 +340,41 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict | 
     # the stages of one pipeline feed the same tokens: count them once
     aggregate = sum(tokens_per_step / t for t in rank_medians) / dims.pp
 
-    exact = trainer.memory.mode == "exact"
-    peak_memory = (int(max(h["memory/peak_allocated_GiB"] for h in history[warmup:warmup + steps]) * 2**30)
-                   if exact else None)
+    peak_memory, allocator = None, None
+    if trainer.memory.mode == "exact":
+        peak_memory = int(max(h["memory/peak_allocated_GiB"] for h in history[warmup:warmup + steps]) * 2**30)
+    if cuda:
+        timed_peaks = allocator_peaks[warmup:warmup + steps]
+        allocator = {"peak_allocated_bytes": max(a for a, _ in timed_peaks),
+                     "peak_reserved_bytes": max(r for _, r in timed_peaks)}
+        peak_memory = peak_memory or allocator["peak_allocated_bytes"]
     flavor = "hf_config" if cfg.model.hf_config_path else cfg.model.flavor
     prof = prof_box[0]
-    split = time_split(prof.events())
+    events = prof.events()
+    split = time_split(events)
     split_total = sum(split.values())
+    gpu_split = None
+    if cuda:
+        gpu_split = gpu_time_split(device_kernels(events), step_window(events))
+        gpu_split["phase_kernel_s"] = phase_kernel_seconds(events)
+    if cuda:  # the device's time: kernels, and the step from synchronisation to synchronisation
+        kernel_s = gpu_split["kernel_s"]
+        measured = {"matmul": kernel_s["gemm"] + kernel_s["grouped_gemm"], "attention": kernel_s["attention"]}
+        budget_total = gpu_split["step_s"]
+    else:
+        measured, budget_total = host_op_seconds(events)
     rows = sorted(prof.key_averages(), key=lambda r: r.self_cpu_time_total, reverse=True)[:15]
     machine["load_average_after"] = os.getloadavg()
     return {
         "machine": machine,
-        "config": {"model": f"{cfg.model.name}/{flavor}", "dtype": cfg.training.dtype,
-                   "batch": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len, "steps": steps,
-                   "warmup": warmup, "compile": cfg.compile.enable, "memory_track": trainer.memory.mode,
-                   "flops_per_token": trainer.flops_per_token, "gemm_n": gemm_n, "single_process": not distributed,
-                   "world_size": dims.world_size,
+        "config": {"model": f"{cfg.model.name}/{flavor}", "n_layers": trainer.model_args.n_layers,
+                   "dtype": cfg.training.dtype, "batch": cfg.training.local_batch_size,
+                   "seq_len": cfg.training.seq_len, "steps": steps, "warmup": warmup, "compile": cfg.compile.enable,
+                   "activation_checkpoint": cfg.activation_checkpoint.mode, "memory_track": trainer.memory.mode,
+                   "flops_per_token": trainer.flops_per_token, "params": trainer.total_params,
+                   "device": str(device), "gemm_n": gemm_n,
+                   "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                   "single_process": not distributed, "world_size": dims.world_size,
                    "parallel_degrees": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "ep": dims.ep,
                                         "pp": dims.pp}},
         "tokens_per_s": tokens_per_s,
@@ -282,11 +383,14 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int) -> dict | 
         "step_time_s": {"median": median, "min": min(times), "max": max(times), "all": times},
         "model_tflops": model_tflops,
         "peak_tflops": peak,
+        "gemm_peak_tflops": gemm_peaks,
         "mfu": model_tflops / peak,
         "peak_memory_bytes": peak_memory,
+        "allocator": allocator,
         "time_split_s": split,
         "time_split_share": {k: v / split_total for k, v in split.items()},
-        "time_budget": time_budget(prof.events(), cfg, tokens_per_step, peak),
+        "gpu_time_split": gpu_split,
+        "time_budget": time_budget(measured, budget_total, cfg, tokens_per_step, peak),
         "top_ops": [{"name": r.key, "self_cpu_ms": round(r.self_cpu_time_total / 1e3, 3), "count": r.count}
                     for r in rows],
     }
@@ -315,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     args, config_args = parser.parse_known_args(argv)
     if args.config:
         config_args = ["--job.config_file", args.config] + config_args
-    gemm_n = 2048
+    gemm_n = None
     # the trainer's log is progress: keep stdout for the one JSON object
     with contextlib.redirect_stdout(sys.stderr), tempfile.TemporaryDirectory(prefix="throughput_smoke_") as tmp:
         from trainer.metrics import init_logging
@@ -331,4 +435,4 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
-    main()
+    run_with_config_errors(main)  # a bad config or flag: one line, exit code 2

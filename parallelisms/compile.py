@@ -30,17 +30,22 @@ See docs/compile.md for where graphs break and why, numerics and measurements.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from trainer.torch_compat import torch_at_least
+
 __all__ = ["SECONDS_PER_GRAPH", "apply_compile", "compile_loss", "compiled_modules", "first_compile"]
 
 SECONDS_PER_GRAPH = 15
 """Cold compile time of one graph (forward + backward), measured on the 2-core CPU dev machine: 35-45 s for the
 debug model's three graphs (docs/compile.md). Only for the estimate the trainer logs before the first step."""
+
+logger = logging.getLogger(__name__)
 
 
 def apply_compile(model: nn.Module, compile_cfg) -> nn.Module:
@@ -55,8 +60,8 @@ def apply_compile(model: nn.Module, compile_cfg) -> nn.Module:
     # selective-AC policy object of each block) makes dynamo compile every block on its own, and past
     # `recompile_limit` graphs per code object fullgraph=True fails: allow a training and an eval graph per block.
     args = model.args
-    recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * (args.n_layers + args.num_mtp_layers))
-    compile_kwargs = dict(backend=compile_cfg.backend, fullgraph=True, recompile_limit=recompile_limit)
+    compile_kwargs = dict(backend=compile_cfg.backend, fullgraph=True)
+    _allow_recompiles(compile_kwargs, 2 * (args.n_layers + args.num_mtp_layers))
     for block in _blocks(model):
         inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
         if inner.moe_enabled and not inner.moe.experts.use_grouped_mm:
@@ -69,6 +74,21 @@ def apply_compile(model: nn.Module, compile_cfg) -> nn.Module:
         else:
             block.compile(**compile_kwargs)
     return model
+
+
+def _allow_recompiles(compile_kwargs: dict, graphs: int) -> None:
+    """Let every code object compiled with `compile_kwargs` hold at least `graphs` graphs.
+
+    torch.compile takes a per-call `recompile_limit` from torch 2.13 on (2.11 rejects the keyword with a
+    TypeError); before that the same limit exists only process-wide, as dynamo's config, which is raised instead.
+    """
+    limit = max(torch._dynamo.config.recompile_limit, graphs)
+    if torch_at_least(2, 13):
+        compile_kwargs["recompile_limit"] = limit
+    elif torch._dynamo.config.recompile_limit < limit:
+        logger.info("torch %s has no per-call recompile_limit: raising torch._dynamo.config.recompile_limit to %d "
+                    "for the whole process", torch.__version__, limit)
+        torch._dynamo.config.recompile_limit = limit
 
 
 def compiled_modules(model: nn.Module) -> list[str]:

@@ -50,7 +50,7 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _train_tiny(compiled: bool) -> tuple[list[float], list[int], list[float]]:
+def _train_tiny(compiled: bool, device: str = "cpu") -> tuple[list[float], list[int], list[float]]:
     """12 steps of the tiny model (AC selective per op when compiled: compile(AC(block))) on fresh random tokens.
 
     Every step changes the routing (new tokens, expert bias updated), the number of valid labels and so the
@@ -62,8 +62,8 @@ def _train_tiny(compiled: bool) -> tuple[list[float], list[int], list[float]]:
     if compiled:
         apply_ac(model, ActivationCheckpointSection(mode="selective"))
         apply_compile(model, COMPILE)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=torch.device(device), seed=0)
     model.train()
     for moe in model.moe_layers():
         moe.aux_loss_coeff = 1e-2
@@ -72,7 +72,7 @@ def _train_tiny(compiled: bool) -> tuple[list[float], list[int], list[float]]:
     data = torch.Generator().manual_seed(1)
     losses, graphs, routed = [], [], []
     for step in range(STEPS):
-        tokens = torch.randint(0, TINY.vocab_size, (BATCH, SEQ + 1), generator=data)
+        tokens = torch.randint(0, TINY.vocab_size, (BATCH, SEQ + 1), generator=data).to(device)
         inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
         labels[0, : step % 4] = IGNORE_INDEX
         valid = count_valid_tokens(labels).item()
@@ -102,6 +102,16 @@ def test_compiled_blocks_and_loss_train_without_recompiles():
     assert routed == eager_routed == [BATCH * SEQ * TINY.n_activated_experts] * STEPS
 
 
+@pytest.mark.cuda
+def test_compiled_blocks_and_loss_on_cuda_train_without_recompiles():
+    """The same on the GPU (inductor's Triton kernels, the CUDA grouped GEMM): no graph after the first step."""
+    eager_losses, _, eager_routed = _train_tiny(compiled=False, device="cuda")
+    losses, graphs, routed = _train_tiny(compiled=True, device="cuda")
+    assert graphs[WARMUP:] == [graphs[WARMUP - 1]] * (STEPS - WARMUP), graphs
+    assert losses == pytest.approx(eager_losses, rel=LOSS_RTOL)
+    assert routed == eager_routed == [BATCH * SEQ * TINY.n_activated_experts] * STEPS
+
+
 @pytest.mark.slow
 def test_compiled_loss_serves_every_batch_and_sequence_length():
     loss_fn = compile_loss(cross_entropy_sum, COMPILE)
@@ -123,6 +133,38 @@ def test_compile_disabled_changes_nothing():
     assert compiled_modules(apply_compile(model, off)) == []
     assert compile_loss(cross_entropy_sum, off) is cross_entropy_sum
     assert compiled_modules(apply_compile(model, CompileSection(enable=True, components=["loss"]))) == []
+
+
+def test_compile_on_a_torch_without_per_call_recompile_limit(monkeypatch):
+    """torch 2.11's torch.compile has no `recompile_limit` keyword: apply_compile must not pass it there (it did,
+    and `--compile.enable true` failed with a TypeError on the GPU machines' torch 2.11) and must raise dynamo's
+    process-wide limit instead, so that per-block graphs still fit."""
+    real_compile = torch.compile
+
+    def compile_211(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,
+                    disable=False):  # torch 2.11.0's signature
+        return real_compile(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode,
+                            options=options, disable=disable)
+
+    monkeypatch.setattr(torch, "compile", compile_211)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with torch.device("meta"):
+        model = DeepSeekV3Model(TINY.replace(n_layers=6))
+    with torch._dynamo.config.patch(recompile_limit=8):
+        apply_compile(model, COMPILE)
+        assert torch._dynamo.config.recompile_limit == 12  # a training and an eval graph for each of the 6 blocks
+    assert len(compiled_modules(model)) == 6
+
+
+def test_compile_on_this_torch_sets_the_limit_per_call(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
+    with torch.device("meta"):
+        model = DeepSeekV3Model(TINY.replace(n_layers=6))
+    with torch._dynamo.config.patch(recompile_limit=8):
+        apply_compile(model, COMPILE)
+        assert torch._dynamo.config.recompile_limit == 8  # torch 2.13: per call, the global limit untouched
+    assert [c["recompile_limit"] for c in calls] == [12] * 6
 
 
 def test_compile_rejects_the_per_expert_loop():

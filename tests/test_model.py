@@ -460,6 +460,27 @@ def test_published_parameter_counts():
         assert c.active - c.embedding == pytest.approx(active, rel=0.03), flavor
 
 
+def test_layer_override_cuts_16b_to_the_h100_benchmark_model():
+    """train_configs/h100_bench.toml: the 16B flavor's shapes with 4 layers (1 dense + 3 MoE), as issue 14 states
+    them: 2.25B parameters, 3.49 GFLOP per token at seq 4096."""
+    from models.deepseek_v3 import build_args
+    from trainer.config import load_config
+
+    cfg = load_config(["--job.config_file", "train_configs/h100_bench.toml"])
+    args = build_args(cfg)
+    assert args == FLAVORS["16B"].replace(n_layers=4, n_dense_layers=1)
+    c = count_params(args)
+    assert c.total == pytest.approx(2.25e9, rel=0.003)
+    assert training_flops_per_token(args, 4096) == pytest.approx(3.49e9, rel=0.002)
+    with torch.device("meta"):
+        model = DeepSeekV3Model(args)
+    assert [layer.moe_enabled for layer in model.layers.values()] == [False, True, True, True]
+    assert sum(p.numel() for p in model.parameters()) == c.total
+    # n_dense_layers alone, and both kept (0 / -1) leave the flavor as it is
+    assert build_args(load_config(["--model.flavor", "16B", "--model.n_dense_layers", "0"])).n_dense_layers == 0
+    assert build_args(load_config(["--model.flavor", "16B"])) == FLAVORS["16B"]
+
+
 def test_flops_per_token_formula():
     args = FLAVORS["debugmodel"]
     c = count_params(args)
@@ -480,6 +501,39 @@ def test_model_trains_a_few_steps_on_one_batch():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
+
+
+def test_rms_norm_weight_takes_the_input_dtype_under_autocast():
+    """bf16 latents meet fp32 norm weights under autocast: no dtype mismatch (which keeps torch off its fused
+    rms_norm kernel on CUDA, with a warning), values as the fp64 norm with the weight rounded to bf16."""
+    import warnings
+
+    model = build(TINY.replace(q_lora_rank=16, num_mtp_layers=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randint(0, 64, (2, 16)))
+        out.float().sum().backward()
+    assert not [w for w in caught if "Mismatch dtype" in str(w.message)], [str(w.message) for w in caught]
+    from models.deepseek_v3.norm import RMSNorm
+
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    # 4 per block (attention, ffn, q and kv latents) in 3 layers + 1 MTP block, the final norm, 3 more in MTP
+    assert len(norms) == 4 * 4 + 1 + 3 and all(isinstance(m, RMSNorm) for m in norms)
+
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(48, generator=gen))
+    x = torch.randn(5, 48, generator=gen)
+    xd, wd = x.bfloat16().double(), norm.weight.detach().bfloat16().double()
+    want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * wd
+    got = norm(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=0)
+    plain = torch.nn.RMSNorm(48, eps=1e-6)
+    plain.load_state_dict(norm.state_dict())
+    assert torch.equal(norm(x), plain(x))  # fp32 input, fp32 weight: nothing changes
 
 
 def test_bf16_attention_pads_v_for_the_flash_kernel_and_matches_the_reference():

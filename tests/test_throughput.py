@@ -1,9 +1,10 @@
-"""The throughput benchmarks' reports: `benchmarks/throughput.py --smoke` (one process) and
-`benchmarks/scaling.py --smoke` (independent processes, then throughput.py on 2 gloo ranks with EP 2) run and print
-the documented schema.
+"""The throughput benchmarks' reports: `benchmarks/throughput.py --smoke` (one process, on the device the trainer
+would choose) and `benchmarks/scaling.py --smoke` (independent processes, then throughput.py on 2 gloo ranks with
+EP 2) run and print the documented schema; the CUDA kernel classifier and the GPU time split of
+`benchmarks/common.py` against recorded kernel names and hand-made intervals.
 
-Only keys and types are checked, never timings or ratios: the numbers depend on the machine and on what else runs
-on it.
+Of the reports only keys, types and relations are checked, never timings or ratios: the numbers depend on the
+machine and on what else runs on it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common import KERNEL_CATEGORIES, busy_seconds, gpu_time_split, kernel_category
+
 REPO = Path(__file__).resolve().parent.parent
-MACHINE_KEYS = {"cpu", "cores", "torch_threads", "torch", "load_average_before", "load_average_after"}
+MACHINE_KEYS = {"cpu", "cores", "torch_threads", "torch", "load_average_before", "load_average_after", "gpu"}
 
 
 def _run_json(script: str, timeout: float) -> dict:
@@ -29,10 +32,21 @@ def _run_json(script: str, timeout: float) -> dict:
 def check_throughput_report(report: dict, world_size: int, ep: int, memory_track: str) -> None:
     """The schema of one throughput.py --smoke report (of rank 0 under torchrun)."""
     assert set(report) == {"machine", "config", "tokens_per_s", "aggregate_tokens_per_s", "rank_step_time_s",
-                           "step_time_s", "model_tflops", "peak_tflops", "mfu", "peak_memory_bytes", "time_split_s",
-                           "time_split_share", "time_budget", "top_ops"}
+                           "step_time_s", "model_tflops", "peak_tflops", "gemm_peak_tflops", "mfu",
+                           "peak_memory_bytes", "allocator", "time_split_s", "time_split_share", "gpu_time_split",
+                           "time_budget", "top_ops"}
     assert MACHINE_KEYS <= set(report["machine"])
     config = report["config"]
+    cuda = config["device"].startswith("cuda")
+    assert (report["machine"]["gpu"] is not None) is cuda
+    assert config["gemm_n"] == 512 and config["n_layers"] == 2 and config["params"] > 0
+    assert set(report["gemm_peak_tflops"]) == {"bfloat16", "float32"}
+    assert report["peak_tflops"] == report["gemm_peak_tflops"][config["dtype"]]
+    if cuda:  # the allocator's peaks and the kernel split are CUDA's; on CPU they are not measured: null
+        check_gpu_time_split(report["gpu_time_split"])
+        assert 0 < report["allocator"]["peak_allocated_bytes"] <= report["allocator"]["peak_reserved_bytes"]
+    else:
+        assert report["gpu_time_split"] is None and report["allocator"] is None
     assert config["single_process"] is (world_size == 1)
     assert config["world_size"] == world_size
     assert config["parallel_degrees"] == {"dp_replicate": 1, "dp_shard": world_size, "ep": ep, "pp": 1}
@@ -56,9 +70,190 @@ def check_throughput_report(report: dict, world_size: int, ep: int, memory_track
     assert set(budget) == {"matmul", "attention", "rest_s", "step_at_peak_s", "profiled_step_s"}
     for kind in ("matmul", "attention"):
         assert set(budget[kind]) == {"measured_s", "at_peak_s", "efficiency"}
-        assert budget[kind]["measured_s"] > 0 and budget[kind]["at_peak_s"] > 0, kind
+        assert budget[kind]["at_peak_s"] > 0, kind
+    assert budget["matmul"]["measured_s"] > 0
+    # on CUDA the smoke model's tiny fp32 attention may run SDPA's math path, whose kernels are GEMMs and softmax
+    assert budget["attention"]["measured_s"] > 0 or cuda
     assert budget["step_at_peak_s"] == pytest.approx(budget["matmul"]["at_peak_s"] + budget["attention"]["at_peak_s"])
     assert 0 <= budget["rest_s"] < budget["profiled_step_s"]
+
+
+def check_gpu_time_split(split: dict) -> None:
+    """The schema of gpu_time_split (CUDA runs)."""
+    assert set(split) == {"step_s", "busy_s", "idle_s", "kernel_s", "share_of_step", "kernels", "top_kernels",
+                          "phase_kernel_s"}
+    phases = split["phase_kernel_s"]
+    assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
+    assert set(split["kernel_s"]) == set(KERNEL_CATEGORIES)
+    assert set(split["share_of_step"]) == set(KERNEL_CATEGORIES) | {"idle"}
+    assert 0 < split["busy_s"] <= split["step_s"] and split["idle_s"] == pytest.approx(
+        split["step_s"] - split["busy_s"])
+    assert split["kernel_s"]["gemm"] + split["kernel_s"]["grouped_gemm"] > 0 and split["kernels"] > 0
+
+
+# Kernel names as torch's profiler reports them on CUDA (demangled; long template arguments shortened with ...).
+RECORDED_KERNELS = {
+    "gemm": [
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_"
+        "kernel__5x_cublas",
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNT",
+        "ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn",
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>("
+        "cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8::Params)",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false, "
+        "false>(cublasLt::cublasSplitKParams<float>, float const*, __nv_bfloat16 const*, __nv_bfloat16*, ...)",
+        "void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4, false, false, ...>(...)",
+        "triton_tem_fused_mm_0",
+    ],
+    "grouped_gemm": [
+        "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::"
+        "GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >, cutlass::gemm::collective::"
+        "CollectiveMma<cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecializedCooperative<...> > > > >(...)",
+        "triton_tem_fused__grouped_mm_1",
+    ],
+    "attention": [
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<192, 128, 64, 4, false, false, "
+        "cutlass::bfloat16_t, Flash_kernel_traits<192, 128, 64, 4, cutlass::bfloat16_t> >, false, true, false, "
+        "false, true, true, false, false>(pytorch_flash::Flash_fwd_params)",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>(pytorch_flash::Flash_bwd_params)",
+        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t, "
+        "cutlass::arch::Sm80, true, 64, 128, 128, true, true>::Params)",
+        "fmha_cutlassB_bf16_aligned_128x64_k128_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<...>::Params)",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0",
+        "triton_tem_fused_flex_attention_0",
+    ],
+    "optimizer": [
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+        "(at::native::ADAM_MODE)1, false>, double, double, double, double, double, bool, double*, float*>(...)",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "TensorListMetadata<1>, at::native::(anonymous namespace)::LpNormFunctor<float, (at::native::NormType)1, "
+        "float, float>, float*, int>(...)",
+        "void at::native::lpnorm_cleanup<float, (at::native::NormType)1, float, float>(float const*, "
+        "at::native::TensorListAddresses, int)",
+    ],
+    "casts_copies": [
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+        "::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}, std::array<char*, "
+        "2ul>, 4, TrivialOffsetCalculator<1, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, "
+        "at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1> >(...)",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda("
+        "at::TensorIteratorBase&)::{lambda(float)#1}, std::array<char*, 2ul> >(int, ...)",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy_aligned16_contig<...>(...)",
+    ],
+    "elementwise": [
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
+        "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3ul>)",
+        "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<...> >(int, ...)",
+        "void at::native::index_elementwise_kernel<128, 4, ...>(long, ...)",
+        "triton_poi_fused__to_copy_add_mul_0",
+    ],
+    "communication": ["ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+                      "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+                      "void deep_ep::intranode::dispatch<8, 768, 8192>(...)"],
+    "memcpy": ["Memcpy HtoD (Pageable -> Device)", "Memcpy DtoH (Device -> Pageable)", "Memset (Device)"],
+    "other": [
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::"
+        "(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<...> > >(...)",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>(...)",
+        "void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, "
+        "true>(...)",
+        "void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<...>(...)",
+        "triton_red_fused__to_copy_mean_pow_1",
+        "triton_per_fused_sum_2",
+    ],
+}
+
+
+@pytest.mark.parametrize("category", sorted(RECORDED_KERNELS))
+def test_kernel_classifier_on_recorded_names(category):
+    assert set(RECORDED_KERNELS) == set(KERNEL_CATEGORIES)
+    for name in RECORDED_KERNELS[category]:
+        assert kernel_category(name) == category, name
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    # two overlapping kernels (two streams), one inside another, one crossing the window's end, one outside
+    intervals = [(1.0, 3.0), (2.0, 4.0), (2.5, 2.6), (9.0, 12.0), (20.0, 21.0)]
+    assert busy_seconds(intervals, (0.0, 10.0)) == pytest.approx(3.0 + 1.0)
+    assert busy_seconds([], (0.0, 10.0)) == 0.0
+
+
+def test_gpu_time_split_by_category_with_idle_gaps():
+    gemm, adam = RECORDED_KERNELS["gemm"][1], RECORDED_KERNELS["optimizer"][0]
+    nccl = RECORDED_KERNELS["communication"][0]
+    # 10 s window: gemm 1-3, nccl 2-5 on another stream (overlaps 1 s), adam 6-7, gemm again 7-8: busy 1-5, 6-8
+    kernels = [(gemm, 1.0, 3.0), (nccl, 2.0, 5.0), (adam, 6.0, 7.0), (gemm, 7.0, 8.0), (gemm, 11.0, 12.0)]
+    split = gpu_time_split(kernels, (0.0, 10.0))
+    check = {**dict.fromkeys(KERNEL_CATEGORIES, 0.0), "gemm": 3.0, "communication": 3.0, "optimizer": 1.0}
+    assert split["kernel_s"] == pytest.approx(check)
+    assert (split["step_s"], split["busy_s"], split["idle_s"], split["kernels"]) == pytest.approx((10, 6, 4, 4))
+    assert split["share_of_step"]["idle"] == pytest.approx(0.4) and split["share_of_step"]["gemm"] == 0.3
+    assert split["top_kernels"][0] == {"name": gemm, "category": "gemm", "ms": 3000.0, "count": 2}
+
+
+def test_step_window_and_device_kernels_from_a_profile():
+    """The profiler's events as the benchmark reads them (attribute names of this torch): the labelled step's
+    window holds its ops; on CPU there are no device kernels, so the GPU would be idle throughout."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks.throughput import STEP_LABEL, device_kernels, step_window
+
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.mm(x, x)
+        with record_function(STEP_LABEL):
+            torch.mm(x, x).sum()
+    events = prof.events()
+    lo, hi = step_window(events)
+    inside = [e.name for e in events if lo <= e.time_range.start / 1e6 and e.time_range.end / 1e6 <= hi]
+    assert {"aten::mm", "aten::sum"} <= set(inside) and inside.count("aten::mm") == 1
+    assert device_kernels(events) == []
+    split = gpu_time_split(device_kernels(events), (lo, hi))
+    assert split["idle_s"] == split["step_s"] == pytest.approx(hi - lo) and split["busy_s"] == 0
+
+
+def _event(name, start_us, end_us, device="cpu", thread=1, parent=None, kernels=(), annotation=False):
+    """A stand-in for the profiler's FunctionEvent with the fields the benchmark reads."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval, Kernel
+
+    return SimpleNamespace(name=name, time_range=Interval(start_us, end_us), thread=thread, cpu_parent=parent,
+                           device_type=DeviceType.CUDA if device == "cuda" else DeviceType.CPU,
+                           is_user_annotation=annotation, self_cpu_time_total=0.0,
+                           kernels=[Kernel(k, 0, d) for k, d in kernels])
+
+
+def test_cuda_profile_parsing_on_stand_in_events():
+    """How the benchmark reads a CUDA profile: kernels, not the GPU copies of record_function ranges; the host's
+    step window; kernel time by the phase of the launching op, backward on the autograd engine's own thread."""
+    from benchmarks.throughput import STEP_LABEL, device_kernels, phase_kernel_seconds, step_window
+
+    gemm, adam = RECORDED_KERNELS["gemm"][1], RECORDED_KERNELS["optimizer"][0]
+    step = _event(STEP_LABEL, 0, 10_000, annotation=True, kernels=[(STEP_LABEL, 9_000)])
+    fwd = _event("phase/forward", 100, 2_000, parent=step, annotation=True, kernels=[("phase/forward", 1_500)])
+    mm = _event("aten::mm", 200, 300, parent=fwd, kernels=[(gemm, 1_000)])
+    bwd_node = _event("autograd::engine::evaluate_function: MmBackward0", 2_500, 2_600, thread=2)
+    mm_bwd = _event("aten::mm", 2_510, 2_590, thread=2, parent=bwd_node, kernels=[(gemm, 2_000)])
+    opt = _event("Optimizer.step#AdamW.step", 5_000, 5_100, parent=step, annotation=True)
+    fused = _event("aten::_fused_adamw_", 5_010, 5_090, parent=opt, kernels=[(adam, 700)])
+    gloo = _event("aten::mm", 5_000, 5_050, thread=3, kernels=[(gemm, 50)])  # another thread: not the step's
+    on_gpu = [_event(STEP_LABEL, 50, 9_500, device="cuda", annotation=True),
+              _event("phase/forward", 300, 1_800, device="cuda", annotation=True),
+              _event(gemm, 300, 1_300, device="cuda"), _event(gemm, 2_700, 4_700, device="cuda"),
+              _event(adam, 5_200, 5_900, device="cuda")]
+    events = [step, fwd, mm, bwd_node, mm_bwd, opt, fused, gloo] + on_gpu
+    assert step_window(events) == (0.0, 0.01)
+    assert device_kernels(events) == [(gemm, 3e-4, 1.3e-3), (gemm, 2.7e-3, 4.7e-3), (adam, 5.2e-3, 5.9e-3)]
+    phases = phase_kernel_seconds(events)
+    assert phases == pytest.approx({"data": 0, "forward": 1e-3, "backward": 2e-3, "optimizer": 7e-4,
+                                    "communication": 0, "other": 0})
+    split = gpu_time_split(device_kernels(events), step_window(events))
+    assert split["busy_s"] == pytest.approx(3.7e-3) and split["idle_s"] == pytest.approx(6.3e-3)
 
 
 def test_smoke_report_schema():
@@ -68,6 +263,36 @@ def test_smoke_report_schema():
     # the smoke run tracks memory exactly, so the trainer's peak is reported
     assert isinstance(report["peak_memory_bytes"], int) and report["peak_memory_bytes"] > 0
     assert report["time_split_s"]["communication"] == 0.0  # one process: no collectives
+
+
+def test_attention_kernels_smoke_runs_every_variant_or_says_why(capsys):
+    from benchmarks import attention_kernels
+
+    report = attention_kernels.main(["--smoke"])
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(report))
+    results = report["results"]
+    assert set(results) == {"model"} | {f"{layout}/{b}" for layout in ("unequal", "padded")
+                                         for b in attention_kernels.BACKENDS}
+    for name, r in results.items():
+        if "error" in r:
+            assert set(r) == {"error"} and r["error"], name
+            continue
+        assert set(r) == {"forward_ms", "forward_backward_ms", "tflops", "peak_bytes", "max_abs_error"}, name
+        assert r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 and r["tflops"] > 0, name
+        # bf16 against the fp64 reference: output and all three input gradients
+        assert r["max_abs_error"] < 3e-2, (name, r)
+    # the model's own path and the math kernel run on every device; flash never takes v as it is
+    assert "error" not in results["model"] and "error" not in results["unequal/math"]
+    assert "error" in results["unequal/flash"]
+
+
+def test_bad_flag_is_one_line_and_exit_2():
+    r = subprocess.run([sys.executable, "benchmarks/throughput.py", "--smoke", "--compile.enable", "true"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        "config error: memory.track: exact tracking makes compiled code run eagerly (it would silently measure an "
+        "uncompiled run); allowed: auto or off with compile.enable = true"]
 
 
 @pytest.mark.slow

@@ -127,6 +127,12 @@ class ModelSection:
     """Named size preset of the model family (e.g. debugmodel, 16B, 671B)."""
     hf_config_path: str = ""
     """Optional Hugging Face config.json; when set, model args come from it instead of the flavor."""
+    n_layers: int = _opt(0, ge=1, special=0)
+    """Number of transformer layers, overriding the flavor's (or the HF config's); 0 = keep it. Cuts a flavor
+    to a benchmarkable size with its real layer shapes (train_configs/h100_bench.toml: 16B with 4 layers)."""
+    n_dense_layers: int = _opt(-1, ge=0, special=-1)
+    """How many of the first layers use a dense FFN instead of MoE, overriding the flavor's; -1 = keep it. At
+    most n_layers."""
 
 
 @dataclass

@@ -15,8 +15,9 @@ def device_type() -> str:
 
 
 def backend() -> str:
-    """Collective backend matching `device_type()`."""
-    return "nccl" if device_type() == "cuda" else "gloo"
+    """Collective backend matching `device_type()`: gloo on CPU; on CUDA NCCL for CUDA tensors plus gloo for CPU
+    tensors, which `torch.distributed.checkpoint.async_save` needs (with NCCL alone it raises an AssertionError)."""
+    return "cuda:nccl,cpu:gloo" if device_type() == "cuda" else "gloo"
 
 
 def local_device() -> torch.device:

@@ -17,7 +17,8 @@ from .parallelize import parallelize_deepseek_v3
 
 
 def build_args(job_config) -> ModelArgs:
-    """Model args for the job: the flavor (or a HF config.json), adapted to the job's MoE switches."""
+    """Model args for the job: the flavor (or a HF config.json) with `model.n_layers` / `model.n_dense_layers`
+    applied, adapted to the job's MoE switches."""
     model_cfg = job_config.model
     if model_cfg.hf_config_path:
         from .hf import args_from_hf_config_file
@@ -27,7 +28,7 @@ def build_args(job_config) -> ModelArgs:
         args = FLAVORS[model_cfg.flavor]
     else:
         raise ConfigError("model.flavor", f"unknown flavor {model_cfg.flavor!r}", ", ".join(FLAVORS))
-    args = args.replace(use_grouped_mm=job_config.moe.use_grouped_mm)
+    args = _override_layers(args, model_cfg).replace(use_grouped_mm=job_config.moe.use_grouped_mm)
     seq_len = job_config.training.seq_len
     if seq_len > args.max_seq_len:
         raise ConfigError("training.seq_len", f"{seq_len} exceeds the model's maximum of {args.max_seq_len}",
@@ -43,6 +44,20 @@ def build_args(job_config) -> ModelArgs:
                           f"multi-token prediction ({args.num_mtp_layers} MTP layers) needs the embedding and "
                           "the head on one stage", "1 when the model has MTP layers")
     return args
+
+
+def _override_layers(args: ModelArgs, model_cfg) -> ModelArgs:
+    """`model.n_layers` / `model.n_dense_layers` applied to the flavor's args (0 / -1 keep the flavor's)."""
+    n_layers = model_cfg.n_layers or args.n_layers
+    if model_cfg.n_dense_layers != -1:
+        if model_cfg.n_dense_layers > n_layers:
+            raise ConfigError("model.n_dense_layers", f"{model_cfg.n_dense_layers} exceeds the model's {n_layers} "
+                              "layers", f"0..{n_layers}, or -1 for the flavor's")
+        return args.replace(n_layers=n_layers, n_dense_layers=model_cfg.n_dense_layers)
+    if args.n_dense_layers > n_layers:
+        raise ConfigError("model.n_layers", f"{n_layers} is fewer than the flavor's {args.n_dense_layers} dense "
+                          "layers", f">= {args.n_dense_layers}, or set model.n_dense_layers <= {n_layers} too")
+    return args.replace(n_layers=n_layers)
 
 
 def build_loss_fn(args: ModelArgs):

@@ -19,6 +19,7 @@ from parallelisms.init import InitRule, init_parameter_
 
 from .args import ModelArgs
 from .moe import MoE, FeedForward
+from .norm import RMSNorm
 
 
 # ----------------------------------------------------------------------------------------------- RoPE and YaRN
@@ -105,10 +106,10 @@ class MLA(nn.Module):
             self.wq = nn.Linear(args.dim, qk_dim, bias=False)
         else:
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=MLA_NORM_EPS)
+            self.q_norm = RMSNorm(args.q_lora_rank, eps=MLA_NORM_EPS)
             self.wq_b = nn.Linear(args.q_lora_rank, qk_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=MLA_NORM_EPS)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, eps=MLA_NORM_EPS)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim),
                                bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
@@ -171,9 +172,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = MLA(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.moe_enabled = layer_id >= args.n_dense_layers
         if self.moe_enabled:
             self.moe = MoE(args, layer_id)
@@ -204,7 +205,7 @@ class DeepSeekV3Model(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # ModuleDict keyed by the global layer id, so pipeline stages keep the original parameter names
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.mtp = None
         if args.num_mtp_layers > 0:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .args import ModelArgs
+from .norm import RMSNorm
 
 
 class MTPModule(nn.Module):
@@ -22,11 +23,11 @@ class MTPModule(nn.Module):
         super().__init__()
         from .model import TransformerBlock
 
-        self.enorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.hnorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.enorm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
         self.block = TransformerBlock(layer_id, args)
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
 
 
 class MTPModules(nn.Module):
