@@ -127,9 +127,9 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 def _compile_around_dispatcher(block: nn.Module, compile_kwargs: dict) -> None:
     """Compile everything of an MoE block except the glue around its (host-synchronising) dispatcher."""
     moe = block.moe
-    # Not the two RMSNorms: `Module.compile` compiles a module's `forward` frame, and torch's own modules live in
-    # dynamo's skip files (fullgraph=True then raises "found no compiled frames"). Wrapping them with
-    # `torch.compile(norm)` would insert `_orig_mod.` into their parameter names and checkpoints.
+    # Not the two RMSNorms: one op each (the fused kernel on CUDA), with nothing to fuse with, since the residual
+    # adds around them stay eager. (Before models/deepseek_v3/norm.py they were torch's own nn.RMSNorm, whose
+    # forward is in dynamo's skip files, so `Module.compile` could not compile them under fullgraph=True.)
     pieces = [block.attention, moe.router, moe.experts]
     if moe.shared_experts is not None:
         pieces.append(moe.shared_experts)

@@ -29,8 +29,7 @@ from trainer.optimizer import build_optimizer
 TINY = ModelArgs(vocab_size=256, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=3, n_dense_layers=1, n_heads=2,
                  max_seq_len=64, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, q_lora_rank=0,
                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
-FUSED_SDPA = {"aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
-              "aten._scaled_dot_product_cudnn_attention.default"}
+FUSED_SDPA = {f"aten._scaled_dot_product_{kernel}_attention.default" for kernel in ("flash", "efficient", "cudnn")}
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 

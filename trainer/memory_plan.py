@@ -8,9 +8,9 @@ parameters; this module adds an analytic model of the step on top of those count
 * state: parameters (fp32 master, local shards), gradients (same), AdamW state (2x parameters);
 * activations held after forward under the activation-checkpointing policy, itemised per block from the model
   args (what autograd saves with no AC; block inputs for full AC; the outputs of `save_ops` for per-op selective);
-* transients: the loss (logits and their fp32 softmax), one block's backward (recompute under AC, gradient
-  buffers, the attention score gradients), FSDP all-gathers and unsharded gradients, EP buffers, the optimizer's
-  foreach temporaries (one tile, or the whole part).
+* transients: the loss (logits and their fp32 softmax, in chunks for large logits), one block's backward
+  (recompute under AC, gradient buffers, the attention score gradients), FSDP all-gathers and unsharded gradients,
+  EP buffers, the optimizer's foreach temporaries (one tile, or the whole part).
 
 Predicted peak (steady state, from step 2 on, when the AdamW state exists):
 
@@ -30,6 +30,7 @@ import sys
 
 from parallelisms.dry_run import report
 from trainer.config import load_config, run_with_config_errors, validate_job
+from trainer.loss import chunk_rows
 
 __all__ = ["plan", "block_items", "main"]
 
@@ -287,9 +288,15 @@ def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
     last_block_unit = blocks[-1]["unit"] if blocks else 0
     fsdp_loss = (3 * unit_bytes["head"] + last_block_unit) if fsdp and last else 0
 
-    # the loss: logits stay referenced while their fp32 softmax gradient and the nll gradient are built
+    # the loss: logits stay referenced while their fp32 softmax gradient and the nll gradient are built; chunked
+    # (large logits, trainer/loss.py), the logits and their gradient plus one chunk's fp32 work and gradient
     head_grad = (units["head"] // shard) * 4 if last else 0
-    loss_transient = (T * V * a + 2 * T * V * _F32 + T * D * a) if last else 0
+    rows = chunk_rows(T, V)
+    if rows is None:
+        loss_transient = T * V * a + 2 * T * V * _F32 + T * D * a
+    else:
+        loss_transient = 2 * T * V * a + 3 * rows * V * _F32 + rows * V * a + T * D * a
+    loss_transient = loss_transient if last else 0
     # every in-flight microbatch's activations are alive when the last one's backward starts
     phases = {"loss_backward": activations + loss_transient + head_grad + fsdp_loss if last else 0,
               "forward_end": activations + (2 * largest_unit if fsdp else 0)}
