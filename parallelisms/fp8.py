@@ -60,6 +60,13 @@ def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, torch.ldexp(torch.ones_like(mantissa), exponent), 1.0)
 
 
+def _tiles(t: torch.Tensor, tile_rows: int, tile_cols: int) -> torch.Tensor:
+    """[R, C] as fp32 tiles [R / tile_rows, tile_rows, C / tile_cols, tile_cols], zero-padded at the ends."""
+    R, C = t.shape
+    pad_r, pad_c = -R % tile_rows, -C % tile_cols
+    return F.pad(t.float(), (0, pad_c, 0, pad_r)).view((R + pad_r) // tile_rows, tile_rows, -1, tile_cols)
+
+
 def quantize(t: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a 2-D tensor [R, C] to e4m3 with one fp32 scale per tile of tile_rows x tile_cols.
 
@@ -67,19 +74,18 @@ def quantize(t: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Ten
     t ~= q * scale of its tile. Partial tiles at the ends are scaled by the values they hold.
     """
     R, C = t.shape
-    pad_r, pad_c = -R % tile_rows, -C % tile_cols
-    tiles = F.pad(t.float(), (0, pad_c, 0, pad_r)).view((R + pad_r) // tile_rows, tile_rows, -1, tile_cols)
+    tiles = _tiles(t, tile_rows, tile_cols)
     scale = _pow2_scale(tiles.abs().amax(dim=(1, 3)))
-    q = (tiles / scale[:, None, :, None]).to(E4M3).view(R + pad_r, C + pad_c)[:R, :C]
-    return q, scale
+    q = (tiles / scale[:, None, :, None]).to(E4M3)
+    return q.view(-1, q.shape[2] * tile_cols)[:R, :C], scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, tile_rows: int, tile_cols: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q * scale of its tile, in `dtype` (exact in fp32 and bf16: e4m3 values times a power of two)."""
     R, C = q.shape
-    full = scale.repeat_interleave(tile_rows, 0)[:R].repeat_interleave(tile_cols, 1)[:, :C]
-    return (q.to(dtype) * full.to(dtype))
+    tiles = _tiles(q, tile_rows, tile_cols).to(dtype)
+    return (tiles * scale[:, None, :, None].to(dtype)).view(-1, tiles.shape[2] * tile_cols)[:R, :C]
 
 
 def quantize_segments(t: torch.Tensor, segment_C: torch.Tensor, num_segments: int
@@ -96,9 +102,13 @@ def quantize_segments(t: torch.Tensor, segment_C: torch.Tensor, num_segments: in
 
 
 def _qdq(t: torch.Tensor, tile_rows: int, tile_cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """Quantise and dequantise [R, C] (the operand a GEMM emulating e4m3 inputs multiplies)."""
-    q, scale = quantize(t, tile_rows, tile_cols)
-    return dequantize(q, scale, tile_rows, tile_cols, dtype)
+    """Quantise and dequantise [R, C] (the operand a GEMM emulating e4m3 inputs multiplies), in one pass over
+    the tiles: `dequantize(*quantize(t, ...), ...)` without materialising the e4m3 tensor's layout twice."""
+    R, C = t.shape
+    tiles = _tiles(t, tile_rows, tile_cols)
+    scale = _pow2_scale(tiles.abs().amax(dim=(1, 3), keepdim=True))
+    deq = (tiles / scale).to(E4M3).to(dtype) * scale.to(dtype)
+    return deq.view(-1, tiles.shape[2] * tile_cols)[:R, :C]
 
 
 def _qdq_act(t: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
@@ -322,7 +332,7 @@ def _torchao_rowwise_config():
 def _convert_linear(linear: nn.Linear, recipe: str) -> nn.Module:
     if recipe == "blockwise":
         return Fp8Linear.from_linear(linear)
-    from torchao.float8 import Float8Linear  # optional dependency, see _torchao_rowwise_config
+    from torchao.float8.float8_linear import Float8Linear  # optional dependency, see _torchao_rowwise_config
 
     return Float8Linear.from_float(linear, config=_torchao_rowwise_config())
 

@@ -108,6 +108,13 @@ CASES = [
     ("malformed_toml", lambda tmp: ["--job.config_file", str(_write(tmp / "bad.toml", "[training]\nsteps = = 3\n"))],
      1, "bad.toml:2"),
     ("missing_toml", ["--job.config_file", "/nonexistent/job.toml"], 1, "/nonexistent/job.toml"),
+    ("bad_fp8_recipe", ["--fp8.recipe", "tensorwise"], 1, "fp8.recipe"),
+    ("fp8_unknown_module", ["--fp8.modules", "attention,router.gate"], 1, "'router.gate'"),
+    ("fp8_unknown_exclude", ["--fp8.exclude_modules", "wkv_c"], 1, "fp8.exclude_modules"),
+    ("fp8_blockwise_dims", ["--fp8.recipe", "blockwise", "--fp8.exclude_modules", ""], 1,
+     "attention.wkv_a has dims (256, 576)"),
+    ("fp8_experts_without_grouped_mm", ["--fp8.recipe", "blockwise", "--moe.use_grouped_mm", "false"], 1,
+     "moe.use_grouped_mm"),
 ]
 
 

@@ -258,3 +258,111 @@ def test_grouped_experts_fp8_against_fp32_loop(recipe):
     for dw, dw_ref in zip(dws, dws_ref):
         assert torch.equal(dw[1], torch.zeros_like(dw[1]))  # no tokens, no gradient
         assert _rel(dw, dw_ref) < 2 * U
+
+
+# ----------------------------------------------------------------------------------------------- model conversion
+
+def _tiny_model(recipe: str, ac_mode: str = "none", extra: list[str] = ()):
+    """A 2-layer debug model (one dense, one MoE block) with the [fp8] and AC sections applied, initialised."""
+    from models.deepseek_v3.args import FLAVORS
+    from models.deepseek_v3.model import DeepSeekV3Model
+    from parallelisms.activation_checkpoint import apply_ac
+    from parallelisms.fp8 import apply_fp8
+    from trainer.config import load_config
+
+    cfg = load_config(["--fp8.recipe", recipe, "--activation_checkpoint.mode", ac_mode, *extra])
+    with torch.device("meta"):
+        model = DeepSeekV3Model(FLAVORS["debugmodel"].replace(n_layers=2))
+    converted = apply_fp8(model, cfg.fp8)
+    apply_ac(model, cfg.activation_checkpoint)
+    model.to_empty(device="cpu")
+    model.init_weights(buffer_device=torch.device("cpu"), seed=0)
+    return model, converted
+
+
+def _loss_and_grads(model, seed=0):
+    tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(seed))
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+                           for n, p in model.named_parameters()}
+
+
+def test_conversion_keeps_names_and_high_precision_modules():
+    from models.deepseek_v3.moe import Fp32Linear
+
+    model, converted = _tiny_model("blockwise")
+    plain, none_converted = _tiny_model("none")
+    assert none_converted == [] and model.state_dict().keys() == plain.state_dict().keys()
+    assert "layers.0.attention.wq" in converted and "layers.1.moe.experts" in converted
+    blocks = {name: type(m) for name, m in model.named_modules()}
+    assert blocks["layers.0.attention.wq"] is Fp8Linear and blocks["layers.1.moe.shared_experts.w2"] is Fp8Linear
+    assert blocks["layers.0.attention.wkv_a"] is torch.nn.Linear  # excluded by default (576 outputs)
+    assert blocks["output"] is torch.nn.Linear and blocks["layers.1.moe.router.gate"] is Fp32Linear
+    assert model.layers["1"].moe.experts.fp8_recipe == "blockwise"
+    assert plain.layers["1"].moe.experts.fp8_recipe == "none"
+    assert all(type(m) is not Fp8Linear for m in plain.modules())
+
+
+@pytest.mark.parametrize("ac_mode", ["full", "selective"])
+def test_activation_checkpoint_recompute_requantises_identically(ac_mode):
+    """A checkpointed FP8 model recomputes the same e4m3 operands: loss and every gradient equal bit for bit."""
+    loss, grads = _loss_and_grads(_tiny_model("blockwise")[0])
+    loss_ac, grads_ac = _loss_and_grads(_tiny_model("blockwise", ac_mode)[0])
+    assert torch.equal(loss, loss_ac)
+    assert grads.keys() == grads_ac.keys()
+    for name, g in grads.items():
+        assert torch.equal(g, grads_ac[name]), name
+
+
+def test_fp8_model_close_to_high_precision():
+    """One forward and backward of the whole model: loss within 1% and the gradient norm within 10% of fp32."""
+    loss, grads = _loss_and_grads(_tiny_model("none")[0])
+    loss8, grads8 = _loss_and_grads(_tiny_model("blockwise")[0])
+    assert abs(loss8 / loss - 1) < 0.01
+    norm = torch.stack([g.norm() for g in grads.values()]).norm()
+    norm8 = torch.stack([g.norm() for g in grads8.values()]).norm()
+    assert abs(norm8 / norm - 1) < 0.1
+
+
+def test_rowwise_without_torchao_is_a_config_problem(monkeypatch):
+    import importlib.util
+
+    from models.deepseek_v3.args import FLAVORS
+    from models.deepseek_v3.model import TransformerBlock
+    from parallelisms import fp8
+    from trainer.config import load_config
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with torch.device("meta"):
+        blocks = [TransformerBlock(i, FLAVORS["debugmodel"]) for i in (0, 1)]  # dense, MoE
+    cfg = load_config(["--fp8.recipe", "rowwise"])
+    key, problem, _ = fp8.fp8_config_problem(cfg.fp8, blocks)
+    assert key == "fp8.recipe" and "torchao" in problem
+    # experts only: no torchao needed
+    cfg = load_config(["--fp8.recipe", "rowwise", "--fp8.modules", "moe.experts"])
+    assert fp8.fp8_config_problem(cfg.fp8, blocks) is None
+
+
+def test_rowwise_linears_are_torchaos_within_bound():
+    """torchao's rowwise Float8Linear, as apply_fp8 converts it: forward and both gradients within the bound of
+    one scale per row along each GEMM's K (so the wgrad tiles span all the tokens)."""
+    pytest.importorskip("torchao")
+    from parallelisms.fp8 import _convert_linear
+
+    x, w, dy = _linear_case(M=64)
+    lin = torch.nn.Linear(256, 384, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    lin = _convert_linear(lin, "rowwise")
+    assert type(lin).__name__ == "Float8Linear"
+    xq = x.clone().requires_grad_()
+    y = lin(xq)
+    y.backward(dy)
+    _assert_within(y, x @ w.t(), _gemm_bound(x, _elem_error(x, 1, 256), w, _elem_error(w, 1, 256)), "forward")
+    wt = w.t().contiguous()
+    _assert_within(xq.grad, dy @ w, _gemm_bound(dy, _elem_error(dy, 1, 384), wt, _elem_error(wt, 1, 384)), "dgrad")
+    dyt, xt = dy.t().contiguous(), x.t().contiguous()
+    _assert_within(lin.weight.grad, dyt @ x, _gemm_bound(dyt, _elem_error(dyt, 1, 64), xt, _elem_error(xt, 1, 64)),
+                   "wgrad")
