@@ -366,3 +366,26 @@ def test_rowwise_linears_are_torchaos_within_bound():
     dyt, xt = dy.t().contiguous(), x.t().contiguous()
     _assert_within(lin.weight.grad, dyt @ x, _gemm_bound(dyt, _elem_error(dyt, 1, 64), xt, _elem_error(xt, 1, 64)),
                    "wgrad")
+
+
+def test_checkpoint_holds_master_weights_and_resumes_with_another_recipe(tmp_path):
+    """A blockwise run's checkpoint has exactly the keys of a high-precision one, and a run resumes from it with
+    recipe none (and would with any other)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from trainer.config import load_config
+    from trainer.train import run
+
+    base = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
+            "--training.local_batch_size", "2", "--memory.track", "off", "--validation.enable", "false",
+            "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true", "--checkpoint.interval", "1",
+            "--job.dump_folder", str(tmp_path)]
+    run(load_config(base + ["--fp8.recipe", "blockwise", "--training.steps", "1"]))
+    losses = run(load_config(base + ["--fp8.recipe", "none", "--training.steps", "2"]))
+    assert len(losses) == 1 and math.isfinite(losses[0])  # resumed at step 2
+
+    def keys(step):
+        return set(FileSystemReader(str(tmp_path / "checkpoint" / f"step-{step}")).read_metadata()
+                   .state_dict_metadata)
+
+    assert keys(1) == keys(2)
