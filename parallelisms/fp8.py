@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BLOCK", "E4M3_MAX", "RECIPES", "Fp8Linear", "apply_fp8", "dequantize", "fp8_block_modules",
+__all__ = ["BLOCK", "E4M3_MAX", "RECIPES", "Fp8Linear", "apply_fp8", "dequantize", "dequantize_segments",
+           "fp8_block_modules",
            "fp8_config_problem", "fp8_grouped_mm", "quantize", "quantize_segments"]
 
 logger = logging.getLogger(__name__)
