@@ -131,9 +131,10 @@ _SDPA = "aten._scaled_dot_product"
 #: backend adds its own ops (`TokenDispatcher.ac_ops`) when it registers.
 OP_TABLE: dict[str, tuple[OpRef, ...]] = {
     # aten.linear is composite and reaches the dispatcher as mm/addmm in eager; listed for traced graphs.
+    # FP8 GEMMs (parallelisms/fp8.py, torchao) count as their matmul kind.
     "mm": (OpRef("aten.mm.default"), OpRef("aten.addmm.default"), OpRef("aten.bmm.default"),
-           OpRef("aten.linear.default")),
-    "grouped_mm": (OpRef("aten._grouped_mm.default"),),
+           OpRef("aten.linear.default"), OpRef("aten._scaled_mm.default")),
+    "grouped_mm": (OpRef("aten._grouped_mm.default"), OpRef("aten._scaled_grouped_mm.default")),
     # Fused SDPA kernels. MLA's q/k head dim differs from v's, which the CPU flash kernel rejects: on CPU the model
     # pads v for flash in bf16 and takes the math path in fp32 (bmm and softmax: "mm" and "softmax").
     "attention": (OpRef(f"{_SDPA}_flash_attention_for_cpu.default"), OpRef(f"{_SDPA}_flash_attention.default"),

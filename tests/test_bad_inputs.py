@@ -126,6 +126,13 @@ CASES = [
                                                                      "validation.enable = false")),
     ("too_few_documents_to_hold_out", lambda tmp: ["--dataset.path", _jsonl(tmp / "small.jsonl", "text", 10)],
      1, ("config error: validation.hold_out_every: ", "fewer than 25", "validation.enable = false")),
+    ("bad_fp8_recipe", ["--fp8.recipe", "tensorwise"], 1, "fp8.recipe"),
+    ("fp8_unknown_module", ["--fp8.modules", "attention,router.gate"], 1, "'router.gate'"),
+    ("fp8_unknown_exclude", ["--fp8.exclude_modules", "wkv_c"], 1, "fp8.exclude_modules"),
+    ("fp8_blockwise_dims", ["--fp8.recipe", "blockwise", "--fp8.exclude_modules", ""], 1,
+     "attention.wkv_a has dims (256, 576)"),
+    ("fp8_experts_without_grouped_mm", ["--fp8.recipe", "blockwise", "--moe.use_grouped_mm", "false"], 1,
+     "moe.use_grouped_mm"),
 ]
 
 

@@ -352,6 +352,22 @@ class MoESection:
 
 
 @dataclass
+class Fp8Section:
+    """FP8 compute for the linears and routed experts of the transformer blocks (docs/fp8.md)."""
+
+    recipe: str = _opt("none", choices=["none", "rowwise", "blockwise"])
+    """e4m3 inputs for every GEMM of the selected modules: blockwise (DeepSeek-V3: 1x128 activation tiles,
+    128x128 weight blocks) or rowwise (one scale per row; linears via torchao); none = high precision."""
+    modules: list[str] = _opt(["attention", "feed_forward", "moe.experts", "moe.shared_experts"])
+    """Modules inside the blocks whose linears (and grouped experts) convert: names or dotted parts of their
+    block-relative names (e.g. attention, wo, moe.experts). Router gate, norms, attention core, embedding and
+    output head always stay high precision."""
+    exclude_modules: list[str] = _opt(["attention.wkv_a"])
+    """Modules left out of modules, same naming (wkv_a's output, kv_lora_rank + qk_rope_head_dim = 576 in the
+    DeepSeek flavors, is not a multiple of 128)."""
+
+
+@dataclass
 class ValidationSection:
     """Periodic evaluation on held-out data."""
 
@@ -426,6 +442,8 @@ class JobConfig:
     """Checkpointing."""
     moe: MoESection = field(default_factory=MoESection)
     """Mixture of experts."""
+    fp8: Fp8Section = field(default_factory=Fp8Section)
+    """FP8 training."""
     validation: ValidationSection = field(default_factory=ValidationSection)
     """Validation."""
     memory: MemorySection = field(default_factory=MemorySection)

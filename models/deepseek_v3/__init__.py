@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from parallelisms.fp8 import fp8_config_problem
 from trainer.config import ConfigError
 from trainer.loss import cross_entropy_sum
 from trainer.registry import ModelSpec, register_model_spec
@@ -10,7 +13,7 @@ from .args import FLAVORS, ModelArgs
 from . import hf
 from .flops import count_params, training_flops_per_token
 from .hf import load_hf_pretrained
-from .model import DeepSeekV3Model
+from .model import DeepSeekV3Model, TransformerBlock
 from .moe import update_expert_bias
 from .mtp import mtp_loss
 from .parallelize import parallelize_deepseek_v3
@@ -43,6 +46,7 @@ def build_args(job_config) -> ModelArgs:
         raise ConfigError("parallelism.pipeline_parallel_degree",
                           f"multi-token prediction ({args.num_mtp_layers} MTP layers) needs the embedding and "
                           "the head on one stage", "1 when the model has MTP layers")
+    _check_fp8(job_config, args)
     return args
 
 
@@ -58,6 +62,16 @@ def _override_layers(args: ModelArgs, model_cfg) -> ModelArgs:
         raise ConfigError("model.n_layers", f"{n_layers} is fewer than the flavor's {args.n_dense_layers} dense "
                           "layers", f">= {args.n_dense_layers}, or set model.n_dense_layers <= {n_layers} too")
     return args.replace(n_layers=n_layers)
+
+
+def _check_fp8(job_config, args: ModelArgs) -> None:
+    """The [fp8] names and dims against one block of each kind (dense, MoE), built on the meta device."""
+    layer_ids = sorted({0, args.n_dense_layers} & set(range(args.n_layers)))
+    with torch.device("meta"):
+        blocks = [TransformerBlock(i, args) for i in layer_ids]
+    problem = fp8_config_problem(job_config.fp8, blocks, grouped_mm=args.use_grouped_mm)
+    if problem is not None:
+        raise ConfigError(*problem)
 
 
 def build_loss_fn(args: ModelArgs):

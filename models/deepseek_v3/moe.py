@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from parallelisms.fp8 import BLOCK as FP8_BLOCK, GROUPED_ATTR, fp8_grouped_mm
 from parallelisms.moe_comm.base import LocalTokenDispatcher, TokenDispatcher
 
 from .args import ModelArgs
@@ -99,12 +100,15 @@ class GroupedExperts(nn.Module):
 
     `use_grouped_mm` runs one `torch._grouped_mm` per projection over all experts (no host sync: offsets are a
     device tensor); otherwise a per-expert loop, the reference oracle, which reads the counts on the host.
+    `fp8_recipe` ("none", "rowwise", "blockwise"; set by `parallelisms.fp8.apply_fp8`) quantises the inputs of
+    the grouped GEMMs to e4m3.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool):
         super().__init__()
         self.num_experts = num_experts
         self.use_grouped_mm = use_grouped_mm
+        setattr(self, GROUPED_ATTR, "none")
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -117,7 +121,7 @@ class GroupedExperts(nn.Module):
         """
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if self.use_grouped_mm:
-            return _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded)
+            return _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded, getattr(self, GROUPED_ATTR))
         return _experts_loop(x_ND, w1, w2, w3, counts_E)
 
 
@@ -127,8 +131,11 @@ class GroupedExperts(nn.Module):
 _CPU_GROUP_ALIGN = 32
 
 
-def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded=True):
+def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded=True, fp8_recipe="none"):
     """The SwiGLU experts with one `torch._grouped_mm` per projection; no host sync (offsets stay on the device).
+
+    With an FP8 recipe, each expert's rows are padded to a multiple of 128 (the token tiles of the weight
+    gradients' quantisation must not straddle two experts) and the grouped GEMMs take e4m3 inputs.
 
     Returns the compute dtype (no cast back to x's: the MoE's multiply by the fp32 routing weights promotes).
     """
@@ -149,6 +156,9 @@ def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded=True):
     else:
         compute_dtype = x.dtype
     x = x.to(compute_dtype)
+    if fp8_recipe != "none":
+        out = _swiglu_fp8(x, w1, w2, w3, counts_E, fp8_recipe)
+        return torch.where(valid_N1, out, 0) if padded else out
     w1, w2, w3 = (w.to(compute_dtype).transpose(-2, -1) for w in (w1, w2, w3))
     if x.device.type == "cpu" and compute_dtype in (torch.bfloat16, torch.float16):
         out = _swiglu_row_aligned(x, w1, w2, w3, counts_E, _CPU_GROUP_ALIGN)
@@ -163,7 +173,21 @@ def _swiglu_grouped(x, w1, w2, w3, offsets_E):
 
 
 def _swiglu_row_aligned(x, w1, w2, w3, counts_E, align: int):
-    """`_swiglu_grouped` with each expert's rows padded with zero rows to a multiple of `align`.
+    """`_swiglu_grouped` with each expert's rows padded with zero rows to a multiple of `align`."""
+    x_P, dest_N, offsets_E = _align_rows(x, counts_E, align)
+    return _swiglu_grouped(x_P, w1, w2, w3, offsets_E).index_select(0, dest_N)
+
+
+def _swiglu_fp8(x, w1, w2, w3, counts_E, recipe: str):
+    """The SwiGLU experts on FP8 grouped GEMMs (weights as stored: [E, out, in])."""
+    x_P, dest_N, offsets_E = _align_rows(x, counts_E, FP8_BLOCK)
+    h = F.silu(fp8_grouped_mm(x_P, w1, offsets_E, recipe)) * fp8_grouped_mm(x_P, w3, offsets_E, recipe)
+    return fp8_grouped_mm(h, w2, offsets_E, recipe).index_select(0, dest_N)
+
+
+def _align_rows(x, counts_E, align: int):
+    """x's rows (grouped by expert, counts_E each) with every group padded with zero rows to a multiple of
+    `align`: returns (x_P, dest_N: the padded row of each row of x, int32 end offsets of the padded groups).
 
     The padded layout has a fixed size (every group gains at most align - 1 rows), so shapes never depend on the
     routing. Rows go in with `index_copy_` and come out with `index_select`, whose backward passes only read and
@@ -179,8 +203,7 @@ def _swiglu_row_aligned(x, w1, w2, w3, counts_E, align: int):
     expert_N = torch.bucketize(rows_N, ends_E, right=True).clamp_(max=E - 1)
     dest_N = rows_N + shift_E[expert_N]
     x_P = x.new_zeros(N + E * (align - 1), x.shape[1]).index_copy_(0, dest_N, x)
-    y_P = _swiglu_grouped(x_P, w1, w2, w3, padded_ends_E.to(torch.int32))
-    return y_P.index_select(0, dest_N)
+    return x_P, dest_N, padded_ends_E.to(torch.int32)
 
 
 def _experts_loop(x_ND, w1, w2, w3, counts_E):

@@ -1,6 +1,6 @@
 """Apply the parallelisms to a DeepSeek-V3 model (part), in the documented order:
 
-    expert parallel -> activation checkpointing -> compile -> FSDP
+    expert parallel -> FP8 conversion -> activation checkpointing -> compile -> FSDP
 
 Pipeline splitting happens before this (`parallelisms/pipeline.py`); each stage is then parallelized here.
 FSDP comes last so that its hooks wrap the checkpointed and compiled blocks.
@@ -14,6 +14,7 @@ from torch import nn
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
 from parallelisms.expert_parallel import apply_expert_parallel
+from parallelisms.fp8 import apply_fp8
 from parallelisms.fsdp import apply_fsdp
 
 
@@ -24,6 +25,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job_config)
         # the backend's comm state is created here: never lazily inside a checkpointed region (torchtitan #2505)
         dtype = torch.bfloat16 if job_config.training.dtype == "bfloat16" else torch.float32
         apply_expert_parallel(model.moe_layers(), meshes.ep, par.expert_parallel_comm_backend, model.args.dim, dtype)
+    apply_fp8(model, job_config.fp8)
     apply_ac(model, job_config.activation_checkpoint)
     apply_compile(model, job_config.compile)
     if parallel_dims.dp_enabled:

@@ -1,0 +1,371 @@
+"""FP8 training: DeepSeek-V3's blockwise recipe and a rowwise one, applied as a model conversion.
+
+`apply_fp8(model, fp8_cfg)` runs in the parallelize chain after expert parallelism and before activation
+checkpointing, compile and FSDP. It converts the linears and grouped experts of the transformer blocks that the
+`[fp8]` filters select; parameters keep their objects and names, so checkpoints hold the same high-precision
+master weights whatever the recipe (a run can switch recipes across a resume).
+
+Every GEMM input, forward and backward, is quantised to e4m3 along the GEMM's contraction dimension K, with one
+fp32 scale per tile:
+
+    recipe      activations and output gradients        weights
+    blockwise   1 x 128 tiles (per row, 128 along K)    128 x 128 blocks
+    rowwise     one scale per row (all of K)            one scale per row (all of K)
+
+The three GEMMs of a linear y = x W^T contract over different dimensions, so each quantises its operands along
+its own K: forward x and W along in_features; dgrad dY along out_features and W^T (the same 128 x 128 blocks);
+wgrad dY^T and x^T along the tokens (128 x 1 tiles of dY and x, as in the DeepSeek-V3 report). Scales are powers
+of two (the smallest with amax / scale <= 448): scaling is then exact, and a dequantised value is exactly
+representable in bf16 as well as fp32.
+
+GEMMs: rowwise linears are torchao's `Float8Linear` (rowwise recipe, `torch._scaled_mm`), an optional dependency.
+Blockwise linears and the grouped experts (both recipes) run `_Fp8LinearFn` / `_Fp8GroupedMMFn` here: they
+dequantise the quantised operands exactly and multiply them with `mm` / `torch._grouped_mm` in the compute dtype,
+which accumulates in fp32 (see docs/fp8.md): the numerics of the recipe, not its speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["BLOCK", "E4M3_MAX", "RECIPES", "Fp8Linear", "apply_fp8", "dequantize", "dequantize_segments",
+           "fp8_block_modules",
+           "fp8_config_problem", "fp8_grouped_mm", "quantize", "quantize_segments"]
+
+logger = logging.getLogger(__name__)
+
+RECIPES = ("none", "rowwise", "blockwise")
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+BLOCK = 128
+#: every dim of a rowwise GEMM operand must be a multiple of this (torch._scaled_mm's constraint on CUDA)
+ROWWISE_ALIGN = 16
+#: grouped modules (the routed experts) that support FP8 carry this attribute; `apply_fp8` sets the recipe in it
+GROUPED_ATTR = "fp8_recipe"
+
+
+# ----------------------------------------------------------------------------------------------- quantisation
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two s with amax / s <= 448 (1 where amax is 0), in fp32."""
+    mantissa, exponent = torch.frexp(amax.float() / E4M3_MAX)
+    # frexp gives m in [0.5, 1): s = m 2^e rounds up to 2^e, unless it already is a power of two (m = 0.5)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
+    return torch.where(amax > 0, torch.ldexp(torch.ones_like(mantissa), exponent), 1.0)
+
+
+def _tiles(t: torch.Tensor, tile_rows: int, tile_cols: int) -> torch.Tensor:
+    """[R, C] as fp32 tiles [R / tile_rows, tile_rows, C / tile_cols, tile_cols], zero-padded at the ends."""
+    R, C = t.shape
+    pad_r, pad_c = -R % tile_rows, -C % tile_cols
+    return F.pad(t.float(), (0, pad_c, 0, pad_r)).view((R + pad_r) // tile_rows, tile_rows, -1, tile_cols)
+
+
+def quantize(t: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a 2-D tensor [R, C] to e4m3 with one fp32 scale per tile of tile_rows x tile_cols.
+
+    Returns (q [R, C] float8_e4m3fn, scale [ceil(R / tile_rows), ceil(C / tile_cols)] fp32) with
+    t ~= q * scale of its tile. Partial tiles at the ends are scaled by the values they hold.
+    """
+    R, C = t.shape
+    tiles = _tiles(t, tile_rows, tile_cols)
+    scale = _pow2_scale(tiles.abs().amax(dim=(1, 3)))
+    q = (tiles / scale[:, None, :, None]).to(E4M3)
+    return q.view(-1, q.shape[2] * tile_cols)[:R, :C], scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, tile_rows: int, tile_cols: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale of its tile, in `dtype` (exact in fp32 and bf16: e4m3 values times a power of two)."""
+    R, C = q.shape
+    tiles = _tiles(q, tile_rows, tile_cols).to(dtype)
+    return (tiles * scale[:, None, :, None].to(dtype)).view(-1, tiles.shape[2] * tile_cols)[:R, :C]
+
+
+def quantize_segments(t: torch.Tensor, segment_C: torch.Tensor, num_segments: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise [R, C] with one fp32 scale per row and column segment (`segment_C[c]` in [0, num_segments)).
+
+    The rowwise recipe's expert weight gradients contract over each expert's own tokens: one scale per output
+    channel and expert. Returns (q [R, C] e4m3, scale [R, num_segments]).
+    """
+    a = t.float().abs()
+    amax = a.new_zeros(t.shape[0], num_segments).scatter_reduce_(1, segment_C.expand_as(a), a, "amax")
+    scale = _pow2_scale(amax)
+    return (t.float() / scale.index_select(1, segment_C)).to(E4M3), scale
+
+
+def _qdq(t: torch.Tensor, tile_rows: int, tile_cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Quantise and dequantise [R, C] (the operand a GEMM emulating e4m3 inputs multiplies), in one pass over
+    the tiles: `dequantize(*quantize(t, ...), ...)` without materialising the e4m3 tensor's layout twice."""
+    R, C = t.shape
+    tiles = _tiles(t, tile_rows, tile_cols)
+    scale = _pow2_scale(tiles.abs().amax(dim=(1, 3), keepdim=True))
+    deq = (tiles / scale).to(E4M3).to(dtype) * scale.to(dtype)
+    return deq.view(-1, tiles.shape[2] * tile_cols)[:R, :C]
+
+
+def _qdq_act(t: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
+    """An activation-like operand [R, K] (input, output gradient), K last: 1 x 128 tiles or one scale per row."""
+    return _qdq(t, 1, BLOCK if recipe == "blockwise" else t.shape[-1], dtype)
+
+
+def _qdq_weight(w: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
+    """A weight operand [..., N, K], K last: 128 x 128 blocks or one scale per row (per matrix of a stack)."""
+    w2 = w.reshape(-1, w.shape[-1])  # blocks never straddle two experts: N is a multiple of 128 (validated)
+    if recipe == "blockwise":
+        return _qdq(w2, BLOCK, BLOCK, dtype).view(w.shape)
+    return _qdq(w2, 1, w.shape[-1], dtype).view(w.shape)
+
+
+# ----------------------------------------------------------------------------------------------- linear
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """y = x W^T with every GEMM input (forward, dgrad, wgrad) quantised to e4m3 by `recipe`.
+
+    Saves the high-precision x and W (not their e4m3 copies) and quantises again in backward: a recompute, a
+    second backward or FSDP's re-gathered W give the same e4m3 values bit for bit.
+    """
+
+    @staticmethod
+    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, recipe: str) -> torch.Tensor:
+        ctx.save_for_backward(x_MK, w_NK)
+        ctx.recipe = recipe
+        dtype = x_MK.dtype
+        return _qdq_act(x_MK, recipe, dtype) @ _qdq_weight(w_NK, recipe, dtype).t()
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        x_MK, w_NK = ctx.saved_tensors
+        recipe, dtype = ctx.recipe, x_MK.dtype
+        dy_MN = dy_MN.to(dtype)
+        dx = _qdq_act(dy_MN, recipe, dtype) @ _qdq_weight(w_NK.t(), recipe, dtype).t()
+        # weight gradient: contraction over the tokens, so both operands are tiled along them
+        dw = _qdq_act(dy_MN.t(), recipe, dtype) @ _qdq_act(x_MK.t(), recipe, dtype).t()
+        return dx, dw.to(w_NK.dtype), None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a plain linear would compute in here: autocast's when it is on, else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear (no bias) whose GEMMs take e4m3 inputs quantised by the blockwise recipe.
+
+    Holds the same `weight` Parameter as the linear it replaces (same name, same master weight); under autocast
+    it computes in autocast's dtype like nn.Linear does.
+    """
+
+    recipe = "blockwise"
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        """Wrap `linear`'s weight (on whatever device it is, meta included) without copying it."""
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=False)
+        new.weight = linear.weight
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(x)
+        x_MK = x.reshape(-1, x.shape[-1]).to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            y = _Fp8LinearFn.apply(x_MK, self.weight.to(dtype), self.recipe)
+        return y.view(*x.shape[:-1], -1)
+
+
+# ----------------------------------------------------------------------------------------------- grouped experts
+
+def _segments(num_rows: int, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Group id of every row of a grouped layout; rows past the last offset get id E (an extra segment)."""
+    return torch.bucketize(torch.arange(num_rows, device=offsets_E.device), offsets_E, right=True)
+
+
+class _Fp8GroupedMMFn(torch.autograd.Function):
+    """`torch._grouped_mm(x, w.transpose(-2, -1), offs)` with e4m3 inputs quantised by `recipe`.
+
+    x_PK holds the rows of expert e in [offs[e-1], offs[e]), each group starting on a multiple of 128 rows, so
+    the weight gradient's token tiles never straddle two experts; rows past offs[-1] come out as zeros and get a
+    zero gradient (CPU `_grouped_mm` leaves them uninitialised). An expert with no rows gets a zero weight
+    gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str) -> torch.Tensor:
+        ctx.save_for_backward(x_PK, w_ENK, offs_E)
+        ctx.recipe = recipe
+        dtype = x_PK.dtype
+        y = torch._grouped_mm(_qdq_act(x_PK, recipe, dtype), _qdq_weight(w_ENK, recipe, dtype).transpose(-2, -1),
+                              offs=offs_E)
+        return _zero_tail(y, offs_E)
+
+    @staticmethod
+    def backward(ctx, dy_PN: torch.Tensor):
+        x_PK, w_ENK, offs_E = ctx.saved_tensors
+        recipe, dtype = ctx.recipe, x_PK.dtype
+        dy_PN = _zero_tail(dy_PN.to(dtype), offs_E)
+        dx = torch._grouped_mm(_qdq_act(dy_PN, recipe, dtype), _qdq_weight(w_ENK, recipe, dtype), offs=offs_E)
+        dy_NP, x_KP = dy_PN.t(), x_PK.t()
+        if recipe == "blockwise":
+            a, b = _qdq_act(dy_NP, recipe, dtype), _qdq_act(x_KP, recipe, dtype)
+        else:
+            # one scale per channel and expert: the contraction runs over each expert's rows only
+            seg_P, E = _segments(x_PK.shape[0], offs_E), offs_E.shape[0]
+            a, b = (dequantize_segments(*quantize_segments(t, seg_P, E + 1), seg_P, dtype) for t in (dy_NP, x_KP))
+        dw = torch._grouped_mm(a, b.t(), offs=offs_E)
+        counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+        dw = torch.where((counts_E > 0)[:, None, None], dw, 0)
+        return _zero_tail(dx, offs_E), dw.to(w_ENK.dtype), None, None
+
+
+def dequantize_segments(q: torch.Tensor, scale: torch.Tensor, segment_C: torch.Tensor,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of `quantize_segments`, in `dtype`."""
+    return q.to(dtype) * scale.index_select(1, segment_C).to(dtype)
+
+
+def _zero_tail(t_PX: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    valid_P1 = (torch.arange(t_PX.shape[0], device=t_PX.device) < offs_E[-1]).unsqueeze(-1)
+    return torch.where(valid_P1, t_PX, 0)
+
+
+def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str) -> torch.Tensor:
+    """Rows of expert e times w[e]^T, in e4m3 by `recipe`, computed in x's dtype (autocast off inside).
+
+    Groups must start on multiples of 128 rows (pad them with zero rows); see `_Fp8GroupedMMFn`.
+    """
+    with torch.autocast(x_PK.device.type, enabled=False):
+        return _Fp8GroupedMMFn.apply(x_PK, w_ENK.to(x_PK.dtype), offs_E, recipe)
+
+
+# ----------------------------------------------------------------------------------------------- selection
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    blocks = list(model.layers.values())
+    if getattr(model, "mtp", None) is not None:
+        blocks += [mod.block for mod in model.mtp.layers]
+    return blocks
+
+
+def _eligible(module: nn.Module) -> bool:
+    """A plain linear (not the router's Fp32Linear) or a grouped-experts module that supports FP8."""
+    return type(module) is nn.Linear or hasattr(module, GROUPED_ATTR)
+
+
+def _matches(fqn: str, name: str) -> bool:
+    """`name`'s dotted components appear as a contiguous run of `fqn`'s ("attention" ~ "attention.wq")."""
+    return f".{name}." in f".{fqn}."
+
+
+def fp8_block_modules(blocks: Iterable[nn.Module]) -> dict[str, nn.Module]:
+    """Block-relative FQN -> one module with that name, of every FP8-eligible module in `blocks`."""
+    found: dict[str, nn.Module] = {}
+    for block in blocks:
+        for fqn, module in block.named_modules():
+            if fqn and _eligible(module):
+                found.setdefault(fqn, module)
+    return found
+
+
+def _selected(fqn: str, fp8_cfg) -> bool:
+    return (any(_matches(fqn, n) for n in fp8_cfg.modules)
+            and not any(_matches(fqn, n) for n in fp8_cfg.exclude_modules))
+
+
+def _dims(module: nn.Module) -> tuple[int, ...]:
+    if isinstance(module, nn.Linear):
+        return (module.in_features, module.out_features)
+    return tuple(module.w1.shape[1:])  # (hidden, dim) of every expert
+
+
+def fp8_config_problem(fp8_cfg, blocks: Iterable[nn.Module], grouped_mm: bool = True
+                       ) -> tuple[str, str, str] | None:
+    """The first mistake of the `[fp8]` section for a model with these blocks, as (key, problem, allowed).
+
+    Names in `modules` and `exclude_modules` must each match an FP8-eligible module (a linear inside a block, or
+    the routed experts; the embedding, the head, the router gate, the norms and the attention core always stay
+    high precision). With a recipe on, every selected module's dims must be multiples of its tile (128 for
+    blockwise, 16 for rowwise), the experts need the grouped GEMM, and rowwise linears need torchao.
+    """
+    eligible = fp8_block_modules(blocks)
+    names = ", ".join(eligible)
+    for key in ("modules", "exclude_modules"):
+        for name in getattr(fp8_cfg, key):
+            if not any(_matches(fqn, name) for fqn in eligible):
+                return (f"fp8.{key}", f"{name!r} matches no linear or grouped experts inside the blocks (the router "
+                        "gate, norms, attention core, embedding and head stay high precision)",
+                        f"names or dotted parts of: {names}")
+    if fp8_cfg.recipe == "none":
+        return None
+    align = BLOCK if fp8_cfg.recipe == "blockwise" else ROWWISE_ALIGN
+    selected = {fqn: m for fqn, m in eligible.items() if _selected(fqn, fp8_cfg)}
+    for fqn, module in selected.items():
+        if any(d % align for d in _dims(module)):
+            return ("fp8.modules", f"{fqn} has dims {_dims(module)}, not multiples of {align} as the "
+                    f"{fp8_cfg.recipe} recipe needs", f"add {fqn!r} to fp8.exclude_modules, or recipe none")
+    if not grouped_mm and any(not isinstance(m, nn.Linear) for m in selected.values()):
+        return ("moe.use_grouped_mm", "false, but FP8 experts run on the grouped GEMM",
+                "true with fp8.recipe != none, or exclude moe.experts in fp8.exclude_modules")
+    needs_torchao = fp8_cfg.recipe == "rowwise" and any(isinstance(m, nn.Linear) for m in selected.values())
+    if needs_torchao and importlib.util.find_spec("torchao") is None:
+        return ("fp8.recipe", "rowwise linears run on torchao's Float8Linear, and torchao is not installed",
+                "none or blockwise, or pip install '.[fp8]'")
+    return None
+
+
+@functools.cache
+def _torchao_rowwise_config():
+    from torchao.float8 import Float8LinearConfig  # optional dependency: only the rowwise recipe needs it
+
+    return Float8LinearConfig.from_recipe_name("rowwise")
+
+
+def _convert_linear(linear: nn.Linear, recipe: str) -> nn.Module:
+    if recipe == "blockwise":
+        return Fp8Linear.from_linear(linear)
+    from torchao.float8.float8_linear import Float8Linear  # optional dependency, see _torchao_rowwise_config
+
+    return Float8Linear.from_float(linear, config=_torchao_rowwise_config())
+
+
+def apply_fp8(model: nn.Module, fp8_cfg) -> list[str]:
+    """Convert the selected modules of every block of `model` (a model or pipeline stage) in place.
+
+    Linears are replaced by an FP8 linear holding the same weight Parameter; grouped experts get the recipe in
+    their `fp8_recipe` attribute. Returns the converted block-relative FQNs, prefixed by the block's key.
+    A no-op returning [] for recipe "none".
+    """
+    if fp8_cfg.recipe == "none":
+        return []
+    converted = []
+    for block_name, block in zip(_block_names(model), _blocks(model)):
+        for fqn, module in list(block.named_modules()):
+            if not (fqn and _eligible(module) and _selected(fqn, fp8_cfg)):
+                continue
+            if isinstance(module, nn.Linear):
+                parent_name, _, leaf = fqn.rpartition(".")
+                parent = block.get_submodule(parent_name) if parent_name else block
+                parent.register_module(leaf, _convert_linear(module, fp8_cfg.recipe))
+            else:
+                setattr(module, GROUPED_ATTR, fp8_cfg.recipe)
+            converted.append(f"{block_name}.{fqn}")
+    logger.info("fp8 %s: %d modules converted (%s, ...)", fp8_cfg.recipe, len(converted),
+                ", ".join(converted[:4]))
+    return converted
+
+
+def _block_names(model: nn.Module) -> list[str]:
+    names = [f"layers.{k}" for k in model.layers]
+    if getattr(model, "mtp", None) is not None:
+        names += [f"mtp.layers.{i}.block" for i in range(len(model.mtp.layers))]
+    return names
