@@ -417,3 +417,13 @@ def test_compiled_fp8_gemms_match_eager():
         results.append([y, xi.grad, lin.weight.grad.clone(), yg, xgi.grad, wgi.grad])
     for eager, compiled in zip(*results):
         assert torch.equal(eager, compiled)
+
+
+def test_default_names_valid_for_a_model_without_dense_layers():
+    """The default filters name feed_forward; a model with no dense layer must still pass, recipe off or on."""
+    from models.deepseek_v3 import _check_fp8
+    from models.deepseek_v3.args import FLAVORS
+    from trainer.config import load_config
+
+    for recipe in ("none", "blockwise"):
+        _check_fp8(load_config(["--fp8.recipe", recipe]), FLAVORS["debugmodel"].replace(n_dense_layers=0))
