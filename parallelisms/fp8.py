@@ -214,7 +214,9 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
         x_PK, w_ENK, offs_E = ctx.saved_tensors
         recipe, dtype = ctx.recipe, x_PK.dtype
         dy_PN = _zero_tail(dy_PN.to(dtype), offs_E)
-        dx = torch._grouped_mm(_qdq_act(dy_PN, recipe, dtype), _qdq_weight(w_ENK, recipe, dtype), offs=offs_E)
+        # dgrad contracts over N: W^T [E, K, N] is quantised along N (the same blocks as W for blockwise)
+        w_EKN = _qdq_weight(w_ENK.transpose(-2, -1), recipe, dtype)
+        dx = torch._grouped_mm(_qdq_act(dy_PN, recipe, dtype), w_EKN.transpose(-2, -1), offs=offs_E)
         dy_NP, x_KP = dy_PN.t(), x_PK.t()
         if recipe == "blockwise":
             a, b = _qdq_act(dy_NP, recipe, dtype), _qdq_act(x_KP, recipe, dtype)
