@@ -214,7 +214,9 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
         x_PK, w_ENK, offs_E = ctx.saved_tensors
         recipe, dtype = ctx.recipe, x_PK.dtype
         dy_PN = _zero_tail(dy_PN.to(dtype), offs_E)
-        dx = torch._grouped_mm(_qdq_act(dy_PN, recipe, dtype), _qdq_weight(w_ENK, recipe, dtype), offs=offs_E)
+        # dgrad contracts over N: W^T [E, K, N] is quantised along N (the same blocks as W for blockwise)
+        w_EKN = _qdq_weight(w_ENK.transpose(-2, -1), recipe, dtype)
+        dx = torch._grouped_mm(_qdq_act(dy_PN, recipe, dtype), w_EKN.transpose(-2, -1), offs=offs_E)
         dy_NP, x_KP = dy_PN.t(), x_PK.t()
         if recipe == "blockwise":
             a, b = _qdq_act(dy_NP, recipe, dtype), _qdq_act(x_KP, recipe, dtype)
@@ -288,27 +290,29 @@ def _dims(module: nn.Module) -> tuple[int, ...]:
     return tuple(module.w1.shape[1:])  # (hidden, dim) of every expert
 
 
-def fp8_config_problem(fp8_cfg, blocks: Iterable[nn.Module], grouped_mm: bool = True
-                       ) -> tuple[str, str, str] | None:
+def fp8_config_problem(fp8_cfg, blocks: Iterable[nn.Module], grouped_mm: bool = True,
+                       vocabulary: Iterable[nn.Module] | None = None) -> tuple[str, str, str] | None:
     """The first mistake of the `[fp8]` section for a model with these blocks, as (key, problem, allowed).
 
     Names in `modules` and `exclude_modules` must each match an FP8-eligible module (a linear inside a block, or
     the routed experts; the embedding, the head, the router gate, the norms and the attention core always stay
-    high precision). With a recipe on, every selected module's dims must be multiples of its tile (128 for
-    blockwise, 16 for rowwise), the experts need the grouped GEMM, and rowwise linears need torchao.
+    high precision) of the `vocabulary` blocks (default: `blocks`; a model family passes one block of every kind
+    it can build, so that the default names stay valid for a model without, say, dense layers). With a recipe on,
+    every selected module of `blocks` must have dims that are multiples of its tile (128 for blockwise, 16 for
+    rowwise), the experts need the grouped GEMM, and rowwise linears need torchao.
     """
-    eligible = fp8_block_modules(blocks)
-    names = ", ".join(eligible)
+    known = fp8_block_modules(blocks if vocabulary is None else vocabulary)
+    names = ", ".join(known)
     for key in ("modules", "exclude_modules"):
         for name in getattr(fp8_cfg, key):
-            if not any(_matches(fqn, name) for fqn in eligible):
+            if not any(_matches(fqn, name) for fqn in known):
                 return (f"fp8.{key}", f"{name!r} matches no linear or grouped experts inside the blocks (the router "
                         "gate, norms, attention core, embedding and head stay high precision)",
                         f"names or dotted parts of: {names}")
     if fp8_cfg.recipe == "none":
         return None
     align = BLOCK if fp8_cfg.recipe == "blockwise" else ROWWISE_ALIGN
-    selected = {fqn: m for fqn, m in eligible.items() if _selected(fqn, fp8_cfg)}
+    selected = {fqn: m for fqn, m in fp8_block_modules(blocks).items() if _selected(fqn, fp8_cfg)}
     for fqn, module in selected.items():
         if any(d % align for d in _dims(module)):
             return ("fp8.modules", f"{fqn} has dims {_dims(module)}, not multiples of {align} as the "

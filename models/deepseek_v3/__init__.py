@@ -65,11 +65,14 @@ def _override_layers(args: ModelArgs, model_cfg) -> ModelArgs:
 
 
 def _check_fp8(job_config, args: ModelArgs) -> None:
-    """The [fp8] names and dims against one block of each kind (dense, MoE), built on the meta device."""
+    """The [fp8] dims against one block of each kind the model has (dense, MoE), its names against both kinds
+    (so the default names hold for a model without dense layers); blocks built on the meta device."""
     layer_ids = sorted({0, args.n_dense_layers} & set(range(args.n_layers)))
+    both_kinds = args.replace(n_dense_layers=1)
     with torch.device("meta"):
         blocks = [TransformerBlock(i, args) for i in layer_ids]
-    problem = fp8_config_problem(job_config.fp8, blocks, grouped_mm=args.use_grouped_mm)
+        vocabulary = [TransformerBlock(i, both_kinds) for i in (0, 1)]
+    problem = fp8_config_problem(job_config.fp8, blocks, grouped_mm=args.use_grouped_mm, vocabulary=vocabulary)
     if problem is not None:
         raise ConfigError(*problem)
 
