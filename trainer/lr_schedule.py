@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -31,6 +30,10 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_type: str, d
     return min_lr_factor + (1 - min_lr_factor) * shape
 
 
+_SHAPE_KEYS = ("warmup_steps", "decay_type", "decay_ratio", "min_lr_factor")
+"""The `[lr_scheduler]` settings that shape the schedule (recorded in its state to report changes on resume)."""
+
+
 class WarmupDecayLR(torch.optim.lr_scheduler.LambdaLR):
     """A LambdaLR over `lr_factor` whose checkpointed state is its position, not its learning rates.
 
@@ -48,7 +51,7 @@ class WarmupDecayLR(torch.optim.lr_scheduler.LambdaLR):
 
         super().__init__(optimizer, factor)
         self.settings = {"training.steps": total_steps, "optimizer.lr": self.base_lrs[0],
-                         **{f"lr_scheduler.{k}": v for k, v in dataclasses.asdict(cfg).items()}}
+                         **{f"lr_scheduler.{k}": getattr(cfg, k) for k in _SHAPE_KEYS}}
         self.resume_changes: list[tuple[str, object, object]] = []
 
     def state_dict(self) -> dict:
