@@ -60,9 +60,11 @@ class AllGatherDispatcher(TokenDispatcher):
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK, num_tokens_per_expert):
         type(self).dispatches += 1
         K, E = topk_idx_TK.shape[1], self.num_local_experts
-        x_GD = funcol.all_gather_tensor_autograd(x_TD, 0, self.group)  # G = tokens of the whole EP group
-        w_GK = funcol.all_gather_tensor_autograd(topk_weights_TK, 0, self.group)
-        local_GK = funcol.all_gather_tensor(topk_idx_TK, 0, self.group) - self.first_expert
+        # G = tokens of the whole EP group. Every collective is waited at once: left pending on gloo (torch 2.13),
+        # these crashed the process (SIGSEGV in wait_tensor) in about 1 run of 5
+        x_GD = funcol.wait_tensor(funcol.all_gather_tensor_autograd(x_TD, 0, self.group))
+        w_GK = funcol.wait_tensor(funcol.all_gather_tensor_autograd(topk_weights_TK, 0, self.group))
+        local_GK = funcol.wait_tensor(funcol.all_gather_tensor(topk_idx_TK, 0, self.group)) - self.first_expert
         # pairs of other ranks' experts sort last (key E) and are cut off
         key = torch.where((local_GK >= 0) & (local_GK < E), local_GK, E).reshape(-1)
         counts_E = torch.bincount(key, minlength=E + 1)[:E]
@@ -75,7 +77,7 @@ class AllGatherDispatcher(TokenDispatcher):
     def combine(self, y_ND, state):
         token_N, num_gathered = state
         y_GD = y_ND.new_zeros(num_gathered, y_ND.shape[1]).index_add_(0, token_N, y_ND)
-        return funcol.reduce_scatter_tensor_autograd(y_GD, "sum", 0, self.group)
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor_autograd(y_GD, "sum", 0, self.group))
 
 
 # ----------------------------------------------------------------------------------------------- single process
