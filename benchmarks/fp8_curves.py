@@ -68,9 +68,10 @@ def plot(report: dict, path: str) -> None:
 
     runs = report["runs"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=[2, 1])
+    color = {recipe: f"C{i}" for i, recipe in enumerate(runs)}  # one colour per recipe in both panels
     for recipe, run in runs.items():
         top.plot(range(1, len(run["loss"]) + 1), run["loss"], label=f"{recipe} (final {run['final_loss']:.3f})",
-                 linewidth=1)
+                 linewidth=1, color=color[recipe])
     top.set_ylabel("training loss")
     top.legend()
     cfg = report["config"]
@@ -81,7 +82,7 @@ def plot(report: dict, path: str) -> None:
         for recipe, run in runs.items():
             if recipe != "none":
                 rel = [100 * (a / b - 1) for a, b in zip(run["loss"], base)]
-                bottom.plot(range(1, len(rel) + 1), rel, label=recipe, linewidth=1)
+                bottom.plot(range(1, len(rel) + 1), rel, label=recipe, linewidth=1, color=color[recipe])
         bottom.axhline(0, color="gray", linewidth=0.5)
         bottom.set_ylabel("loss vs none (%)")
         bottom.legend()
