@@ -149,7 +149,9 @@ def render(runs: list[RankSeries], out_path: str, threshold_MiB_per_step: float 
     ax_slope.axhline(threshold_MiB_per_step, color="black", linestyle="--", linewidth=1,
                      label=f"threshold {threshold_MiB_per_step:g} MiB/step")
     ax_alloc.set_ylabel("tensor memory (GiB)")
-    ax_reserved.set_ylabel("RSS / reserved (GiB)")
+    # CUDA runs log the allocator's reserved bytes beside RSS; CPU runs log RSS only
+    cuda_reserved = any(RESERVED in run.series for run in runs)
+    ax_reserved.set_ylabel("RSS / CUDA reserved (GiB)" if cuda_reserved else "process RSS (GiB)")
     ax_slope.set_ylabel("leak slope (MiB/step)")
     ax_slope.set_xlabel("step")
     for ax in (ax_alloc, ax_reserved, ax_slope):
