@@ -74,9 +74,9 @@ SMOKE_ARGS = dict(dim=64, moe_inter_dim=32)
 def build(args, seed: int = 0):
     """(MoE, dense FeedForward) initialised by the model's own rules, as layer `n_dense_layers` would be."""
     import torch
+    from models.common.init import init_parameter_
     from models.deepseek_v3.model import init_rule
     from models.deepseek_v3.moe import MoE, FeedForward
-    from parallelisms.init import init_parameter_
 
     layer = args.n_dense_layers
     moe = MoE(args, layer_id=layer)

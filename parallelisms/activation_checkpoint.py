@@ -36,7 +36,7 @@ be compiled (the composable checkpoint's hooks break the trace); `ac_config_prob
 
 SAC caches the saved outputs per op in call order and hands them back by position during recompute, so a block
 must dispatch the same sequence of each saved op in forward and in recompute. Work that runs in forward only
-(statistics guarded by `torch._C._current_graph_task_id() == -1`) must therefore not use an op that a policy
+(statistics guarded by `models.common.recompute.in_recompute`) must therefore not use an op that a policy
 saves (`_to_copy` included: d2h copies are saved). Process-wide state (comm buffers) must be created before the
 first forward, outside any checkpointed region: ops run while creating it would enter the SAC cache.
 """
@@ -61,7 +61,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from parallelisms.moe_comm.base import TokenDispatcher
+from models.common.token_dispatch import TokenDispatcher
 from parallelisms.moe_comm.registry import COMM_BACKENDS, on_register
 
 __all__ = [
@@ -119,7 +119,7 @@ def _to_host(args: tuple, kwargs: dict) -> bool:
     """`_to_copy(x, device=cpu)`: a copy into host memory (`.cpu()`, `.to("cpu")`, `.tolist()` off the CPU).
 
     A CPU tensor's `.cpu()` dispatches nothing, so on CPU this matches only explicit copies
-    (`.to("cpu", copy=True)`, `parallelisms.moe_comm.base.host_list`): the dispatchers' syncs, as on a GPU.
+    (`.to("cpu", copy=True)`, `models.common.token_dispatch.host_list`): the dispatchers' syncs, as on a GPU.
     """
     dst = kwargs.get("device")
     return dst is not None and torch.device(dst).type == "cpu"

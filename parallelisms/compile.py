@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from trainer.torch_compat import torch_at_least
+from parallelisms.torch_compat import torch_at_least
 
 __all__ = ["SECONDS_PER_GRAPH", "apply_compile", "compile_loss", "compiled_modules", "first_compile"]
 

@@ -35,9 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BLOCK", "E4M3_MAX", "RECIPES", "Fp8Linear", "apply_fp8", "dequantize", "dequantize_segments",
-           "fp8_block_modules",
-           "fp8_config_problem", "fp8_grouped_mm", "quantize", "quantize_segments"]
+from models.common.grouped_mm import QUANTIZED_MM
+
+__all__ = ["BLOCK", "E4M3_MAX", "RECIPES", "Fp8GroupedMM", "Fp8Linear", "apply_fp8", "dequantize",
+           "dequantize_segments", "fp8_block_modules", "fp8_config_problem", "fp8_grouped_mm", "quantize",
+           "quantize_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +49,6 @@ E4M3_MAX = 448.0
 BLOCK = 128
 #: every dim of a rowwise GEMM operand must be a multiple of this (torch._scaled_mm's constraint on CUDA)
 ROWWISE_ALIGN = 16
-#: grouped modules (the routed experts) that support FP8 carry this attribute; `apply_fp8` sets the recipe in it
-GROUPED_ATTR = "fp8_recipe"
 
 
 # ----------------------------------------------------------------------------------------------- quantisation
@@ -250,6 +250,22 @@ def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
         return _Fp8GroupedMMFn.apply(x_PK, w_ENK.to(x_PK.dtype), offs_E, recipe)
 
 
+class Fp8GroupedMM:
+    """`fp8_grouped_mm` with a fixed recipe, as the routed experts call it (`models.common.grouped_mm`).
+
+    Groups start on multiples of 128 rows: the token tiles of the weight gradients' quantisation must not straddle
+    two experts.
+    """
+
+    row_align = BLOCK
+
+    def __init__(self, recipe: str):
+        self.recipe = recipe
+
+    def __call__(self, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        return fp8_grouped_mm(x_PK, w_ENK, offs_E, self.recipe)
+
+
 # ----------------------------------------------------------------------------------------------- selection
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -261,7 +277,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 def _eligible(module: nn.Module) -> bool:
     """A plain linear (not the router's Fp32Linear) or a grouped-experts module that supports FP8."""
-    return type(module) is nn.Linear or hasattr(module, GROUPED_ATTR)
+    return type(module) is nn.Linear or hasattr(module, QUANTIZED_MM)
 
 
 def _matches(fqn: str, name: str) -> bool:
@@ -345,8 +361,9 @@ def _convert_linear(linear: nn.Linear, recipe: str) -> nn.Module:
 def apply_fp8(model: nn.Module, fp8_cfg) -> list[str]:
     """Convert the selected modules of every block of `model` (a model or pipeline stage) in place.
 
-    Linears are replaced by an FP8 linear holding the same weight Parameter; grouped experts get the recipe in
-    their `fp8_recipe` attribute. Returns the converted block-relative FQNs, prefixed by the block's key.
+    Linears are replaced by an FP8 linear holding the same weight Parameter; grouped experts get an
+    `Fp8GroupedMM` of the recipe as their quantized grouped GEMM. Returns the converted block-relative FQNs,
+    prefixed by the block's key.
     A no-op returning [] for recipe "none".
     """
     if fp8_cfg.recipe == "none":
@@ -361,7 +378,7 @@ def apply_fp8(model: nn.Module, fp8_cfg) -> list[str]:
                 parent = block.get_submodule(parent_name) if parent_name else block
                 parent.register_module(leaf, _convert_linear(module, fp8_cfg.recipe))
             else:
-                setattr(module, GROUPED_ATTR, fp8_cfg.recipe)
+                setattr(module, QUANTIZED_MM, Fp8GroupedMM(fp8_cfg.recipe))
             converted.append(f"{block_name}.{fqn}")
     logger.info("fp8 %s: %d modules converted (%s, ...)", fp8_cfg.recipe, len(converted),
                 ", ".join(converted[:4]))

@@ -22,8 +22,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import parallelisms.activation_checkpoint as ac  # noqa: E402
+from models.common.token_dispatch import Dispatched, TokenDispatcher, host_list  # noqa: E402
 from parallelisms.moe_comm import registry  # noqa: E402
-from parallelisms.moe_comm.base import Dispatched, TokenDispatcher, host_list  # noqa: E402
 from parallelisms.moe_comm.registry import COMM_BACKENDS, get_comm_backend, register_comm_backend  # noqa: E402
 from trainer.config import ActivationCheckpointSection, ConfigError, load_config, validate_job  # noqa: E402
 

@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from parallelisms.fp8 import E4M3_MAX, Fp8Linear, dequantize, fp8_grouped_mm, quantize, quantize_segments
+from parallelisms.fp8 import (E4M3_MAX, Fp8GroupedMM, Fp8Linear, dequantize, fp8_grouped_mm, quantize,
+                              quantize_segments)
 
 U = 2.0 ** -4
 
@@ -241,7 +242,7 @@ def test_grouped_experts_fp8_against_fp32_loop(recipe):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     reference = GroupedExperts(dim=256, hidden_dim=128, num_experts=4, use_grouped_mm=False)
     reference.load_state_dict(experts.state_dict())
-    experts.fp8_recipe = recipe
+    experts.quantized_mm = Fp8GroupedMM(recipe)
     counts = torch.tensor([150, 0, 37, 60])
     # channels of unequal magnitude (as activations have), so 1x128 tiles and whole rows get different scales
     x = torch.randn(int(counts.sum()) + 9, 256, generator=gen) * torch.logspace(-1, 1, 256)
@@ -303,8 +304,8 @@ def test_conversion_keeps_names_and_high_precision_modules():
     assert blocks["layers.0.attention.wq"] is Fp8Linear and blocks["layers.1.moe.shared_experts.w2"] is Fp8Linear
     assert blocks["layers.0.attention.wkv_a"] is torch.nn.Linear  # excluded by default (576 outputs)
     assert blocks["output"] is torch.nn.Linear and blocks["layers.1.moe.router.gate"] is Fp32Linear
-    assert model.layers["1"].moe.experts.fp8_recipe == "blockwise"
-    assert plain.layers["1"].moe.experts.fp8_recipe == "none"
+    assert model.layers["1"].moe.experts.quantized_mm.recipe == "blockwise"
+    assert plain.layers["1"].moe.experts.quantized_mm is None
     assert all(type(m) is not Fp8Linear for m in plain.modules())
 
 

@@ -46,7 +46,7 @@ def test_cli_json_one_rank():
 
 @pytest.mark.parametrize("toml, world, n_stages", [("deepseek_v3_16b.toml", 16, 2), ("deepseek_v3_671b.toml", 512, 8)])
 def test_large_layouts_match_dry_run(toml, world, n_stages):
-    from parallelisms.dry_run import report
+    from trainer.dry_run import report
 
     cfg = load_config(["--job.config_file", os.path.join(CONFIGS, toml)])
     result = plan(cfg, world, device="cuda")

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.common.token_dispatch import LocalTokenDispatcher
+from models.deepseek_v3 import mtp_loss
 from models.deepseek_v3.args import FLAVORS, ModelArgs
 from models.deepseek_v3.flops import count_params, training_flops_per_token
 from models.deepseek_v3.model import DeepSeekV3Model, document_causal_mask, rope_tables, yarn_inv_freq, \
     yarn_softmax_scale
 from models.deepseek_v3.moe import GroupedExperts, MoE, Router, sequence_balance_loss, update_expert_bias
-from models.deepseek_v3.mtp import mtp_loss
-from parallelisms.moe_comm.base import LocalTokenDispatcher
 
 TINY = ModelArgs(vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=3, n_dense_layers=1, n_heads=2,
                  max_seq_len=32, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, q_lora_rank=0,

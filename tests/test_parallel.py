@@ -99,7 +99,7 @@ def test_four_ranks_pipeline_with_fsdp_and_ep(tmp_path, reference):
 
 
 def test_dry_run_16b_on_16_and_671b_on_512(capsys):
-    from parallelisms.dry_run import report
+    from trainer.dry_run import report
 
     cfg16 = load_config(["--job.config_file", "train_configs/deepseek_v3_16b.toml"])
     rows = report(cfg16, 16)

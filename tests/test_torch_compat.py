@@ -1,11 +1,11 @@
-"""trainer.torch_compat: the one place that reads torch's version."""
+"""parallelisms.torch_compat: the one place that reads torch's version."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainer.torch_compat import MIN_TORCH, torch_at_least, torch_version
+from parallelisms.torch_compat import MIN_TORCH, torch_at_least, torch_version
 
 
 @pytest.mark.parametrize("version, expected", [("2.13.0+cpu", (2, 13)), ("2.11.0+cu130", (2, 11)),

@@ -242,12 +242,10 @@ def check_checkpoint(path: str, expected_shapes: dict[str, tuple[int, ...]], mod
     Reads only metadata and file sizes, so the trainer can run it before any process group exists: a corrupt or
     truncated checkpoint, or one from another flavor, is reported as one line before anything starts.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} is unreadable or incomplete ({type(e).__name__})") from None
     saved = metadata.state_dict_metadata

@@ -38,6 +38,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
+from parallelisms.activation_checkpoint import ac_config_problem
 from parallelisms.moe_comm.registry import COMM_BACKENDS, backend_save_ops, get_comm_backend
 
 if TYPE_CHECKING:
@@ -948,9 +949,6 @@ def validate_job(cfg: JobConfig, world_size: int) -> "ParallelDims":
                           "true with compile.components containing model")
     if not cfg.dataset.name and not cfg.dataset.path:
         raise ConfigError("dataset.name", "empty and dataset.path is empty too", "a dataset name or a dataset.path")
-    # Imported here: the name tables live with the policy, and parallelisms imports this module.
-    from parallelisms.activation_checkpoint import ac_config_problem
-
     ac_problem = ac_config_problem(cfg.activation_checkpoint,
                                    compile_model=cfg.compile.enable and "model" in cfg.compile.components)
     if ac_problem is not None:

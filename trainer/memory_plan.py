@@ -1,7 +1,7 @@
 """Memory plan: predict the per-rank peak of a training step before allocating anything.
 
 `python -m trainer.memory_plan --config X.toml --ngpu N [--json] [--device cpu|cuda] [overrides...]`
-(`--job.config_file X.toml` works too). For one rank per pipeline stage, `parallelisms.dry_run` joins a fake process
+(`--job.config_file X.toml` works too). For one rank per pipeline stage, `trainer.dry_run` joins a fake process
 group, builds the meshes, the pipeline split, EP and FSDP on a meta-device model and counts the rank's local
 parameters; this module adds an analytic model of the step on top of those counts:
 
@@ -28,9 +28,10 @@ import json
 import re
 import sys
 
-from parallelisms.dry_run import report
+from trainer.dry_run import report
 from trainer.config import load_config, run_with_config_errors, validate_job
 from trainer.loss import chunk_rows
+from trainer.registry import get_model_spec
 
 __all__ = ["plan", "block_items", "main"]
 
@@ -210,9 +211,7 @@ def _optimizer_transient(cfg, param_bytes: int, largest_local_param: int) -> int
 
 
 def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
-    """The memory plan of one rank, from its dry-run row (`parallelisms.dry_run.inspect_rank`)."""
-    from trainer.registry import get_model_spec
-
+    """The memory plan of one rank, from its dry-run row (`trainer.dry_run.inspect_rank`)."""
     dims = validate_job(cfg, world_size)
     args = get_model_spec(cfg.model.name).build_args(cfg)
     bf16 = cfg.training.dtype == "bfloat16"

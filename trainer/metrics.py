@@ -123,7 +123,7 @@ def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
 
     For tests and tools; ``size_guidance`` 0 keeps every point (the default reservoir-samples long runs).
     """
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # slow, tools only
 
     accumulator = EventAccumulator(log_dir, size_guidance={"scalars": 0})
     accumulator.Reload()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from trainer.config import config_to_toml, load_config, run_with_config_errors
+from trainer.dry_run import print_report, report
 from trainer.train import prepare
 
 NOTHING_TO_LAUNCH = 10
@@ -27,8 +28,6 @@ def _check(argv: list[str]) -> None:
         print(config_to_toml(cfg), end="")
         sys.exit(NOTHING_TO_LAUNCH)
     if cfg.parallelism.dry_run:
-        from parallelisms.dry_run import print_report, report
-
         print_report(report(cfg, world_size), world_size, cfg)
         sys.exit(NOTHING_TO_LAUNCH)
 

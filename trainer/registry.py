@@ -7,11 +7,14 @@ package registers its spec. A fork adds a model by adding a package that calls `
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+import models
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,4 @@ def get_model_spec(name: str) -> ModelSpec:
 
 def available_models() -> list[str]:
     """Names of the model packages under `models/` (registered or not yet imported)."""
-    import pkgutil
-
-    import models
-
     return sorted({m.name for m in pkgutil.iter_modules(models.__path__)} | set(_SPECS))

@@ -6,7 +6,7 @@ import torch
 
 from parallelisms.fp8 import fp8_config_problem
 from trainer.config import ConfigError
-from trainer.loss import cross_entropy_sum
+from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.registry import ModelSpec, register_model_spec
 
 from .args import FLAVORS, ModelArgs
@@ -15,7 +15,6 @@ from .flops import count_params, training_flops_per_token
 from .hf import load_hf_pretrained
 from .model import DeepSeekV3Model, TransformerBlock
 from .moe import update_expert_bias
-from .mtp import mtp_loss
 from .parallelize import parallelize_deepseek_v3
 
 
@@ -24,9 +23,7 @@ def build_args(job_config) -> ModelArgs:
     applied, adapted to the job's MoE switches."""
     model_cfg = job_config.model
     if model_cfg.hf_config_path:
-        from .hf import args_from_hf_config_file
-
-        args = args_from_hf_config_file(model_cfg.hf_config_path)
+        args = hf.args_from_hf_config_file(model_cfg.hf_config_path)
     elif model_cfg.flavor in FLAVORS:
         args = FLAVORS[model_cfg.flavor]
     else:
@@ -78,7 +75,7 @@ def _check_fp8(job_config, args: ModelArgs) -> None:
 
 
 def build_loss_fn(args: ModelArgs):
-    """Summed cross-entropy; with MTP, plus the weighted MTP losses (see `mtp.mtp_loss`)."""
+    """Summed cross-entropy; with MTP, plus the weighted MTP losses (see `mtp_loss`)."""
     if args.num_mtp_layers == 0:
         return cross_entropy_sum
     return lambda output, labels: mtp_loss(output, labels, args.mtp_loss_weight)
@@ -95,6 +92,24 @@ def post_optimizer_step(model_parts, job_config, dp_group) -> dict[str, float]:
         scalars[f"moe/layer_{layer_id}/max_over_mean"] = (counts_E.max() / mean).item()
         scalars[f"moe/layer_{layer_id}/bias_range"] = (moe.expert_bias.max() - moe.expert_bias.min()).item()
     return scalars
+
+
+def mtp_loss(output: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
+    """Summed main loss + weight / D * sum of the D MTP losses, for output [1 + D, B, S, V] in training.
+
+    Depth k predicts labels shifted left by k (token t_{i+k+1} at position i); the last k positions of each
+    sequence have no target and are ignored. In eval mode the model returns plain logits [B, S, V].
+    """
+    if output.dim() == 3:
+        return cross_entropy_sum(output, labels)
+    depth = output.shape[0] - 1
+    total = cross_entropy_sum(output[0], labels)
+    mtp_total = 0.0
+    for k in range(1, depth + 1):
+        shifted = torch.roll(labels, shifts=-k, dims=1)
+        shifted[:, -k:] = IGNORE_INDEX
+        mtp_total = mtp_total + cross_entropy_sum(output[k], shifted)
+    return total + (weight / depth) * mtp_total
 
 
 def counts(args: ModelArgs, seq_len: int) -> tuple[int, int, float]:

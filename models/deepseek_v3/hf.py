@@ -486,7 +486,7 @@ def _progress(items: list, desc: str, enabled: bool) -> Iterable:
     """`items`, wrapped in a tqdm bar on stderr when enabled (tqdm comes with the `datasets` dependency)."""
     if not enabled:
         return items
-    from tqdm import tqdm
+    from tqdm import tqdm  # not a declared dependency (it comes with datasets): loaded only to draw a bar
 
     return tqdm(items, desc=desc, unit="shard", file=sys.stderr)
 

@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelisms.init import InitRule, init_parameter_
+from models.common.init import InitRule, init_parameter_
 
 from .args import ModelArgs
 from .moe import MoE, FeedForward
+from .mtp import MTPModules
 from .norm import RMSNorm
 
 
@@ -209,9 +210,7 @@ class DeepSeekV3Model(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.mtp = None
         if args.num_mtp_layers > 0:
-            from .mtp import MTPModules
-
-            self.mtp = MTPModules(args)
+            self.mtp = MTPModules(args, TransformerBlock)
         cos, sin = rope_tables(args)  # on meta when built under `torch.device("meta")`; init_weights re-creates
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -238,7 +237,8 @@ class DeepSeekV3Model(nn.Module):
         """Initialise every parameter and re-create the buffers, after materialisation from meta.
 
         Works on plain and sharded (DTensor) parameters alike and gives the same full weights for the same seed
-        whatever the parallel layout (see `parallelisms/init.py`).
+        whatever the parallel layout (see `models/common/init.py`). Each parameter is seeded by its state_dict key:
+        the name that wrappers added by the parallelisms leave unchanged, and the one checkpoints use.
         """
         device = buffer_device if buffer_device is not None else self.rope_cos.device
         cos, sin = rope_tables(self.args, device=device)
@@ -246,9 +246,10 @@ class DeepSeekV3Model(nn.Module):
         self.rope_sin = sin
         for moe in self.moe_layers():
             moe.reset_buffers(device)
-        for fqn, param in self.named_parameters():
-            fqn = _strip_wrappers(fqn)
-            init_parameter_(param, init_rule(self.args, fqn), seed, fqn)
+        params = {id(p) for p in self.parameters()}
+        for fqn, tensor in self.state_dict(keep_vars=True).items():
+            if id(tensor) in params:
+                init_parameter_(tensor, init_rule(self.args, fqn), seed, fqn)
 
     def moe_layers(self) -> list[MoE]:
         """The MoE modules of this (possibly partial) model, in layer order."""
@@ -259,16 +260,6 @@ class DeepSeekV3Model(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------- initialisation
-
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def _strip_wrappers(fqn: str) -> str:
-    """Parameter name as in the bare model (activation-checkpoint and compile wrappers add prefixes)."""
-    for prefix in _WRAPPER_PREFIXES:
-        fqn = fqn.replace(prefix, "")
-    return fqn
-
 
 def _layer_id(args: ModelArgs, fqn: str) -> int:
     parts = fqn.split(".")

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from parallelisms.fp8 import BLOCK as FP8_BLOCK, GROUPED_ATTR, fp8_grouped_mm
-from parallelisms.moe_comm.base import LocalTokenDispatcher, TokenDispatcher
+from models.common.grouped_mm import QuantizedGroupedMM
+from models.common.recompute import in_recompute
+from models.common.token_dispatch import LocalTokenDispatcher, TokenDispatcher
 
 from .args import ModelArgs
 
@@ -100,15 +101,15 @@ class GroupedExperts(nn.Module):
 
     `use_grouped_mm` runs one `torch._grouped_mm` per projection over all experts (no host sync: offsets are a
     device tensor); otherwise a per-expert loop, the reference oracle, which reads the counts on the host.
-    `fp8_recipe` ("none", "rowwise", "blockwise"; set by `parallelisms.fp8.apply_fp8`) quantises the inputs of
-    the grouped GEMMs to e4m3.
+    `quantized_mm` (None, or a lower-precision grouped GEMM set by a conversion such as FP8's, see
+    `models.common.grouped_mm`) replaces the grouped GEMMs.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool):
         super().__init__()
         self.num_experts = num_experts
         self.use_grouped_mm = use_grouped_mm
-        setattr(self, GROUPED_ATTR, "none")
+        self.quantized_mm: QuantizedGroupedMM | None = None
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -121,7 +122,7 @@ class GroupedExperts(nn.Module):
         """
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if self.use_grouped_mm:
-            return _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded, getattr(self, GROUPED_ATTR))
+            return _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded, self.quantized_mm)
         return _experts_loop(x_ND, w1, w2, w3, counts_E)
 
 
@@ -131,11 +132,11 @@ class GroupedExperts(nn.Module):
 _CPU_GROUP_ALIGN = 32
 
 
-def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded=True, fp8_recipe="none"):
+def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded=True, quantized_mm=None):
     """The SwiGLU experts with one `torch._grouped_mm` per projection; no host sync (offsets stay on the device).
 
-    With an FP8 recipe, each expert's rows are padded to a multiple of 128 (the token tiles of the weight
-    gradients' quantisation must not straddle two experts) and the grouped GEMMs take e4m3 inputs.
+    With a `quantized_mm` (FP8), each expert's rows are padded to a multiple of its `row_align` (FP8: 128, the
+    token tiles of the weight gradients' quantisation must not straddle two experts) and it runs the GEMMs.
 
     Returns the compute dtype (no cast back to x's: the MoE's multiply by the fp32 routing weights promotes).
     """
@@ -156,8 +157,8 @@ def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded=True, fp8_recipe="non
     else:
         compute_dtype = x.dtype
     x = x.to(compute_dtype)
-    if fp8_recipe != "none":
-        out = _swiglu_fp8(x, w1, w2, w3, counts_E, fp8_recipe)
+    if quantized_mm is not None:
+        out = _swiglu_quantized(x, w1, w2, w3, counts_E, quantized_mm)
         return torch.where(valid_N1, out, 0) if padded else out
     w1, w2, w3 = (w.to(compute_dtype).transpose(-2, -1) for w in (w1, w2, w3))
     if x.device.type == "cpu" and compute_dtype in (torch.bfloat16, torch.float16):
@@ -178,11 +179,11 @@ def _swiglu_row_aligned(x, w1, w2, w3, counts_E, align: int):
     return _swiglu_grouped(x_P, w1, w2, w3, offsets_E).index_select(0, dest_N)
 
 
-def _swiglu_fp8(x, w1, w2, w3, counts_E, recipe: str):
-    """The SwiGLU experts on FP8 grouped GEMMs (weights as stored: [E, out, in])."""
-    x_P, dest_N, offsets_E = _align_rows(x, counts_E, FP8_BLOCK)
-    h = F.silu(fp8_grouped_mm(x_P, w1, offsets_E, recipe)) * fp8_grouped_mm(x_P, w3, offsets_E, recipe)
-    return fp8_grouped_mm(h, w2, offsets_E, recipe).index_select(0, dest_N)
+def _swiglu_quantized(x, w1, w2, w3, counts_E, mm: QuantizedGroupedMM):
+    """The SwiGLU experts on a lower-precision grouped GEMM (weights as stored: [E, out, in])."""
+    x_P, dest_N, offsets_E = _align_rows(x, counts_E, mm.row_align)
+    h = F.silu(mm(x_P, w1, offsets_E)) * mm(x_P, w3, offsets_E)
+    return mm(h, w2, offsets_E).index_select(0, dest_N)
 
 
 def _align_rows(x, counts_E, align: int):
@@ -215,21 +216,6 @@ def _experts_loop(x_ND, w1, w2, w3, counts_E):
     padding = x_ND.shape[0] - start
     outs.append(x_ND.new_zeros(padding, x_ND.shape[1]))
     return torch.cat(outs)
-
-
-def _in_backward_recompute() -> bool:
-    """Whether this forward is an activation-checkpoint recompute, which runs inside backward.
-
-    Eager: a recompute runs inside the autograd engine (graph task id != -1). Compiled: the code being traced is
-    the forward; a checkpointed region inside it is recomputed by the compiled backward graph, which does not
-    re-apply the in-place token counting (tests/test_compile.py checks the counts). The engine query is not
-    traceable, hence the split. A compiled graph must therefore never run inside an eager checkpoint's recompute
-    with the counting in it: `parallelisms/compile.py` keeps `MoE.forward` eager whenever the block is not one
-    graph.
-    """
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -311,7 +297,7 @@ class MoE(nn.Module):
         topk_weights_TK, topk_idx_TK, scores_TE = self.router(x_TD, self.expert_bias)
         counts_E = torch.zeros(self.router.num_experts, dtype=torch.int64, device=x_TD.device)
         counts_E = counts_E.scatter_add_(0, topk_idx_TK.reshape(-1), torch.ones_like(topk_idx_TK.reshape(-1)))
-        if self.training and torch.is_grad_enabled() and not _in_backward_recompute():
+        if self.training and torch.is_grad_enabled() and not in_recompute():
             with torch.no_grad():
                 # no cast op (the add promotes): selective AC replays saved outputs by their position among the
                 # calls of the same op, and an op that runs in forward but not in recompute would shift them

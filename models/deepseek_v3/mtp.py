@@ -9,6 +9,8 @@ shared_head.norm).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -17,25 +19,28 @@ from .norm import RMSNorm
 
 
 class MTPModule(nn.Module):
-    """One MTP depth."""
+    """One MTP depth; `make_block(layer_id, args)` builds its transformer block (see `MTPModules`)."""
 
-    def __init__(self, layer_id: int, args: ModelArgs):
+    def __init__(self, layer_id: int, args: ModelArgs, make_block: Callable[[int, ModelArgs], nn.Module]):
         super().__init__()
-        from .model import TransformerBlock
-
         self.enorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.hnorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
-        self.block = TransformerBlock(layer_id, args)
+        self.block = make_block(layer_id, args)
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
 
 
 class MTPModules(nn.Module):
-    """The D sequential MTP depths; returns main and MTP logits stacked: [1 + D, B, S, vocab]."""
+    """The D sequential MTP depths; returns main and MTP logits stacked: [1 + D, B, S, vocab].
 
-    def __init__(self, args: ModelArgs):
+    `make_block(layer_id, args)` builds each depth's transformer block (the model passes its block class: this
+    module then needs nothing from `model.py`, which imports it).
+    """
+
+    def __init__(self, args: ModelArgs, make_block: Callable[[int, ModelArgs], nn.Module]):
         super().__init__()
-        self.layers = nn.ModuleList(MTPModule(args.n_layers + k, args) for k in range(args.num_mtp_layers))
+        self.layers = nn.ModuleList(MTPModule(args.n_layers + k, args, make_block)
+                                    for k in range(args.num_mtp_layers))
 
     def forward(self, h, tokens, logits, model, cos, sin, mask):
         outs = [logits]
@@ -51,22 +56,3 @@ class MTPModules(nn.Module):
     def moe_layers(self) -> list:
         return [mod.block.moe for mod in self.layers if mod.block.moe_enabled]
 
-
-def mtp_loss(output: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
-    """Summed main loss + weight / D * sum of the D MTP losses, for output [1 + D, B, S, V] in training.
-
-    Depth k predicts labels shifted left by k (token t_{i+k+1} at position i); the last k positions of each
-    sequence have no target and are ignored. In eval mode the model returns plain logits [B, S, V].
-    """
-    from trainer.loss import IGNORE_INDEX, cross_entropy_sum
-
-    if output.dim() == 3:
-        return cross_entropy_sum(output, labels)
-    depth = output.shape[0] - 1
-    total = cross_entropy_sum(output[0], labels)
-    mtp_total = 0.0
-    for k in range(1, depth + 1):
-        shifted = torch.roll(labels, shifts=-k, dims=1)
-        shifted[:, -k:] = IGNORE_INDEX
-        mtp_total = mtp_total + cross_entropy_sum(output[k], shifted)
-    return total + (weight / depth) * mtp_total

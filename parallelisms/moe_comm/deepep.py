@@ -49,8 +49,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from models.common.token_dispatch import Dispatched, TokenDispatcher
 from parallelisms.moe_comm import deepep_cpu
-from parallelisms.moe_comm.base import Dispatched, TokenDispatcher
 from parallelisms.moe_comm.registry import register_comm_backend
 
 __all__ = ["BUFFERS", "HANDLES", "BufferManager", "DeepEPDispatcher", "DeepEPState", "DeepEPUnavailableError",

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import TypeVar
 
-from parallelisms.moe_comm.base import TokenDispatcher
+from models.common.token_dispatch import TokenDispatcher
 
 __all__ = ["COMM_BACKENDS", "backend_save_ops", "get_comm_backend", "on_register", "register_comm_backend"]
 

@@ -1,6 +1,6 @@
 """Dry run: check a parallel layout for any world size in one CPU process, without GPUs.
 
-`python -m parallelisms.dry_run --ngpu 16 --job.config_file train_configs/deepseek_v3_16b.toml [overrides]`
+`python -m trainer.dry_run --ngpu 16 --job.config_file train_configs/deepseek_v3_16b.toml [overrides]`
 (or `./run_train.sh --parallelism.dry_run true` with NGPU set) validates the degrees, then, for one rank per
 pipeline stage, joins a fake process group as that rank, builds the real meshes, the pipeline split, expert
 parallelism and FSDP on a meta-device model (no memory), and prints what that rank would hold: parameters (fp32
@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from parallelisms.mesh import build_meshes
 from parallelisms.pipeline import extract_stage, plan_stages
 from trainer.config import load_config, run_with_config_errors, validate_job
+from trainer.registry import get_model_spec
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -33,9 +34,8 @@ def _placements(p: torch.Tensor) -> str:
 
 def inspect_rank(cfg, world_size: int, rank: int) -> dict:
     """Join a fake process group as `rank`, build its model part(s) on meta, and return its plan."""
+    # torch's internal testing package: loaded only when a dry run happens
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from trainer.registry import get_model_spec
 
     dims = validate_job(cfg, world_size)
     spec = get_model_spec(cfg.model.name)
@@ -108,7 +108,7 @@ def _main(argv: list[str]) -> None:
     as_json = "--json" in argv
     argv = [a for a in argv if a != "--json"]
     if argv[:1] != ["--ngpu"] or len(argv) < 2:
-        raise SystemExit("usage: python -m parallelisms.dry_run --ngpu N [--json] [config args]")
+        raise SystemExit("usage: python -m trainer.dry_run --ngpu N [--json] [config args]")
     world_size, cfg = int(argv[1]), load_config(argv[2:])
     rows = report(cfg, world_size)
     if as_json:

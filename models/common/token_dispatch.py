@@ -1,9 +1,11 @@
 """The token dispatcher interface between the MoE layer and its communication backend.
 
-`MoE.forward` calls `dispatch` after routing and `combine` after the experts; what happens in between (nothing, an
-all-to-all over the EP group, or DeepEP) is the backend's business. The per-call state is returned by `dispatch` and
-handed back to `combine` explicitly: a backend never keeps it on `self`, so an activation-checkpoint recompute or a
-second pipeline microbatch cannot overwrite the state of another call.
+It lives with the models' building blocks so that a model's MoE calls it without importing the parallelisms, while
+the comm backends (`parallelisms/moe_comm/`) subclass it. `MoE.forward` calls `dispatch` after routing and `combine`
+after the experts; what happens in between (nothing, or an exchange over the EP group) is the backend's business.
+The per-call state is returned by `dispatch` and handed back to `combine` explicitly: a backend never keeps it on
+`self`, so an activation-checkpoint recompute or a second pipeline microbatch cannot overwrite the state of another
+call.
 """
 
 from __future__ import annotations
