@@ -16,7 +16,7 @@ from .hf import load_hf_pretrained
 from .model import DeepSeekV3Model, TransformerBlock
 from .moe import update_expert_bias
 from .mtp import mtp_loss
-from .parallelize import parallelize_deepseek_v3
+from .parallelize import RECOMPUTE_MODULES, compile_units, parallelize_deepseek_v3
 
 
 def build_args(job_config) -> ModelArgs:
@@ -114,6 +114,8 @@ register_model_spec(ModelSpec(
     post_optimizer_step=post_optimizer_step,
     counts=counts,
     state_dict_adapter=hf,
+    recompute_modules=RECOMPUTE_MODULES,
+    compile_units=compile_units,
 ))
 
 __all__ = ["DeepSeekV3Model", "ModelArgs", "FLAVORS", "build_args", "load_hf_pretrained"]
