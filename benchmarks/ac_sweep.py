@@ -42,7 +42,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parallelisms.activation_checkpoint import RECOMPUTE_MODULES, OP_TABLE, OpCounter, apply_ac  # noqa: E402
+from models.deepseek_v3.parallelize import RECOMPUTE_MODULES, checkpoint_model  # noqa: E402
+from parallelisms.activation_checkpoint import OP_TABLE, OpCounter  # noqa: E402
 from trainer.config import ActivationCheckpointSection, JobConfig, load_config  # noqa: E402
 from trainer.registry import get_model_spec  # noqa: E402
 
@@ -99,7 +100,7 @@ class _Bench:
     def model(self, ac: ActivationCheckpointSection) -> torch.nn.Module:
         with torch.device("meta"):
             model = self.spec.model_cls(self.args)
-        apply_ac(model, ac)
+        checkpoint_model(model, ac)
         model.to_empty(device="cpu")
         model.init_weights(buffer_device=torch.device("cpu"), seed=self.seed)
         return model.train()

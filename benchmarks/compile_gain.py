@@ -8,7 +8,7 @@
 Every variant (dtype x eager/compiled) runs in a fresh process, so compile caches, allocator arenas and peak
 resident sizes of one variant cannot leak into another; the inductor cache starts empty (a temporary
 TORCHINDUCTOR_CACHE_DIR), so compile_s is a cold compile. A variant trains the config's model (meta build ->
-`apply_compile` -> materialise -> init, as the trainer does; bf16 through autocast, as the trainer does without
+`compile_model` -> materialise -> init, as the trainer does; bf16 through autocast, as the trainer does without
 FSDP) with the trainer's optimizer, loss and expert-bias update, on fresh random tokens every step (so routing
 changes every step, as in training).
 
@@ -117,7 +117,8 @@ def run_variant(config_args: list[str], dtype: str, compiled: bool, steps: int, 
     import torch
     from torch._dynamo.utils import counters
 
-    from parallelisms.compile import apply_compile, compile_loss
+    from models.deepseek_v3.parallelize import compile_model
+    from parallelisms.compile import compile_loss
     from trainer.config import load_config
     from trainer.optimizer import build_optimizer
     from trainer.registry import get_model_spec
@@ -133,7 +134,7 @@ def run_variant(config_args: list[str], dtype: str, compiled: bool, steps: int, 
         model = spec.model_cls(model_args)
     for moe in model.moe_layers():
         moe.aux_loss_coeff = cfg.moe.aux_loss_coeff
-    apply_compile(model, cfg.compile)
+    compile_model(model, cfg.compile)
     model.to_empty(device="cpu")
     model.init_weights(seed=cfg.training.seed)
     model.train()

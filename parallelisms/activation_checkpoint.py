@@ -1,7 +1,8 @@
 """Activation checkpointing (AC) of the transformer blocks: what forward keeps, what backward recomputes.
 
-`apply_ac(model, ac_cfg)` applies the `[activation_checkpoint]` section to the blocks of `model.layers` (a
-ModuleDict keyed by the global layer id):
+`apply_ac(layers, ac_cfg, recompute_modules)` applies the `[activation_checkpoint]` section to the blocks in
+`layers` (a ModuleDict keyed by the global layer id), which the model's parallelize plan hands in together with its
+recompute-name table (models/deepseek_v3/parallelize.py for DeepSeek-V3):
 
     none                          nothing changes
     full                          every block keeps only its input and recomputes everything in backward (an EP
@@ -9,9 +10,9 @@ ModuleDict keyed by the global layer id):
     selective, granularity=layer  every `layer_freq`-th block (by global layer id) is checkpointed fully
     selective, granularity=op     per-op selective checkpointing (SAC) of every block, as data:
         save_ops                  OP_TABLE names whose outputs are saved; every other op is recomputed
-        force_recompute_modules   submodules (dotted FQN suffixes inside a block, e.g. "moe.router") whose ops
-                                  are recomputed even when their op is in save_ops
-    selective, granularity=op, recompute_modules set (Megatron-Core names, RECOMPUTE_MODULES)
+        force_recompute_modules   submodules (dotted FQN suffixes inside a block) whose ops are recomputed even
+                                  when their op is in save_ops
+    selective, granularity=op, recompute_modules set (Megatron-Core names, the model's `RecomputeTable`)
                                   only the submodules the names cover (and force_recompute_modules) are
                                   checkpointed; the rest of the block keeps what autograd keeps without AC.
                                   Inside such a submodule the covered ops are recomputed and the others follow
@@ -19,7 +20,7 @@ ModuleDict keyed by the global layer id):
 
 Blocks are wrapped in `checkpoint_wrapper` (state_dict keys unchanged, attribute access forwarded). The
 submodules of recompute_modules get torch's composable `checkpoint` instead, which adds hooks but no wrapper, so
-their FQNs and attributes (`moe.aux_loss_grad_scale = ...`) stay untouched.
+their FQNs and attributes (and assignments to them) stay untouched.
 
 Two rules hold in every selective policy, whatever the lists say (and full AC of an EP block keeps the first
 one and the integer all-to-all of the split sizes):
@@ -50,7 +51,7 @@ import json
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -67,9 +68,9 @@ from parallelisms.moe_comm.registry import COMM_BACKENDS, on_register
 __all__ = [
     "COLLECTIVE_OPS",
     "OP_TABLE",
-    "RECOMPUTE_MODULES",
     "OpCounter",
     "OpRef",
+    "RecomputeTable",
     "ScopeRule",
     "ac_config_problem",
     "apply_ac",
@@ -80,10 +81,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# FSDP2's hooks on separately sharded experts call torch.profiler.record_function inside the checkpointed block,
-# a different number of times in forward and in the recompute (the unshard state differs). SAC counts every op
-# it sees and refuses a count mismatch, so these no-op markers are excluded from its bookkeeping, like torch's
-# own detach (torch.utils.checkpoint.SAC_IGNORED_OPS is the documented-by-code hook for that).
+# FSDP2's hooks on a separately sharded submodule of a block (expert weights under EP) call
+# torch.profiler.record_function inside the checkpointed block, a different number of times in forward and in the
+# recompute (the unshard state differs). SAC counts every op it sees and refuses a count mismatch, so these no-op
+# markers are excluded from its bookkeeping, like torch's own detach (torch.utils.checkpoint.SAC_IGNORED_OPS is the
+# documented-by-code hook for that).
 SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
                         torch.ops.profiler._record_function_exit._RecordFunction})
 
@@ -172,23 +174,9 @@ class ScopeRule:
     direct_only: bool = False
 
 
-#: Megatron-Core `--recompute-modules` names and what they recompute in a DeepSeek-V3 block.
-RECOMPUTE_MODULES: dict[str, tuple[ScopeRule, ...]] = {
-    # The attention core between the projections: RoPE, q/k assembly, SDPA (fused, or its math path on CPU).
-    "core_attn": (ScopeRule("attention", direct_only=True),),
-    # The MLA up-projections from the compressed latents, with the latent norms in front of them.
-    "mla_up_proj": (ScopeRule("attention.q_norm"), ScopeRule("attention.wq_b"), ScopeRule("attention.kv_norm"),
-                    ScopeRule("attention.wkv_b")),
-    # The SwiGLU activation of the routed experts (silu and the gate product); the grouped GEMMs follow save_ops.
-    "moe_act": (ScopeRule("moe.experts", kinds=("silu", "mul")),),
-    # The block's two pre-norms (the MLA latent norms belong to mla_up_proj).
-    "layernorm": (ScopeRule("attention_norm"), ScopeRule("ffn_norm")),
-    # The dense SwiGLU FFN of the first n_dense_layers blocks.
-    "mlp": (ScopeRule("feed_forward"),),
-    # The whole MoE layer: router, dispatch, experts, combine, shared experts (collectives stay saved).
-    "moe": (ScopeRule("moe"),),
-    "shared_experts": (ScopeRule("moe.shared_experts"),),
-}
+RecomputeTable = Mapping[str, Sequence[ScopeRule]]
+"""A model's `recompute_modules` names (Megatron-Core style, e.g. "core_attn") and the scope rules each stands for,
+with the model's own submodule names; the model's parallelize plan hands it in."""
 
 
 def resolve_ops(name: str) -> list[torch._ops.OpOverload]:
@@ -245,15 +233,17 @@ def op_kind(op: torch._ops.OpOverload, args: tuple = (), kwargs: dict | None = N
     return _kind_in(_INDEX, op, args, kwargs or {})
 
 
-def _name_problem(ac_cfg) -> tuple[str, str, str] | None:
-    """An unknown name in save_ops or recompute_modules as (key, problem, allowed values), or None."""
+def _name_problem(ac_cfg, recompute_modules: RecomputeTable | None) -> tuple[str, str, str] | None:
+    """An unknown name in save_ops or recompute_modules as (key, problem, allowed values), or None.
+
+    recompute_modules: the model's table; None leaves those names unchecked (no model known yet)."""
     for name in ac_cfg.save_ops:
         if name not in OP_TABLE:
             return "activation_checkpoint.save_ops", f"unknown op name {name!r}", ", ".join(OP_TABLE)
-    for name in ac_cfg.recompute_modules:
-        if name not in RECOMPUTE_MODULES:
+    for name in ac_cfg.recompute_modules if recompute_modules is not None else ():
+        if name not in recompute_modules:
             return ("activation_checkpoint.recompute_modules", f"unknown module name {name!r}",
-                    ", ".join(RECOMPUTE_MODULES))
+                    ", ".join(recompute_modules))
     return None
 
 
@@ -283,15 +273,17 @@ def _ignored_setting(ac_cfg) -> tuple[str, str, str] | None:
     return None
 
 
-def ac_config_problem(ac_cfg, compile_model: bool = False) -> tuple[str, str, str] | None:
+def ac_config_problem(ac_cfg, recompute_modules: RecomputeTable | None,
+                      compile_model: bool = False) -> tuple[str, str, str] | None:
     """The first mistake in the AC section as (key, problem, allowed values), or None.
 
-    Checks what needs no model: op names, Megatron module names, that no setting differs from its default where
+    Checks what needs no built model: op names, recompute_modules names against the model's table
+    `recompute_modules` (None: not checked), that no setting differs from its default where
     the chosen mode would ignore it (save_ops without the selective per-op mode, say), and that recompute_modules
     does not come with a compiled model (`compile_model`): torch.compile cannot trace the hook-based composable
     checkpoint those names use. Names in force_recompute_modules depend on the model; `apply_ac` looks them up.
     """
-    problem = _name_problem(ac_cfg) or _ignored_setting(ac_cfg)
+    problem = _name_problem(ac_cfg, recompute_modules) or _ignored_setting(ac_cfg)
     if problem is not None:
         return problem
     if ac_cfg.recompute_modules and compile_model:
@@ -309,8 +301,8 @@ def _inert_save_ops(save_ops: Sequence[str], device_type: str, dtype: str, ep_de
     """
     reasons = {}
     if device_type == "cpu" and dtype == "float32":
-        # The model's attention (models/deepseek_v3/model.py `attention`) pads v for the CPU flash kernel only in
-        # bf16/fp16; tests/test_activation_checkpoint.py checks this rule against it.
+        # A model whose v head dim differs from q/k's (MLA) pads v for the CPU flash kernel only in bf16/fp16;
+        # tests/test_activation_checkpoint.py checks this rule against DeepSeek-V3.
         reasons["attention"] = ("on CPU in float32 attention takes SDPA's math path: its bmm count as 'mm' and its "
                                 "softmax as 'softmax', no fused attention op runs")
     if device_type == "cpu":
@@ -556,35 +548,35 @@ def _keep_routing_metadata():
     return create_selective_checkpoint_contexts(_routing_metadata_policy)
 
 
-def apply_ac(model: nn.Module, ac_cfg) -> nn.Module:
-    """Apply the `[activation_checkpoint]` section `ac_cfg` to the blocks of `model.layers` in place; returns model.
+def apply_ac(layers: nn.ModuleDict, ac_cfg, recompute_modules: RecomputeTable) -> None:
+    """Apply the `[activation_checkpoint]` section `ac_cfg` to the blocks in `layers` (keyed by global layer id)
+    in place, with the model's recompute-name table `recompute_modules`.
 
     Call it after expert parallelism (the dispatcher must be in place) and before compile and FSDP. Blocks become
-    `CheckpointWrapper`s: attribute access (`layer.moe`, `layer.moe_enabled`) is forwarded and state_dict keys
-    are unchanged, but `named_parameters()` shows a `_checkpoint_wrapped_module.` component.
+    `CheckpointWrapper`s: attribute access is forwarded and state_dict keys are unchanged, but
+    `named_parameters()` shows a `_checkpoint_wrapped_module.` component.
     """
     # Names only: a caller may vary the mode over one section (benchmarks/ac_sweep.py) and leave the settings of
     # the other modes in it; validate_job rejects such a section in a job.
-    problem = _name_problem(ac_cfg)
+    problem = _name_problem(ac_cfg, recompute_modules)
     if problem is not None:
         key, what, allowed = problem
         raise ValueError(f"{key}: {what}; allowed: {allowed}")
     if ac_cfg.mode == "none":
-        return model
-    layers = model.layers
+        return
     wrapper_kwargs: dict[str, Any] = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT, "preserve_rng_state": True,
                                       "early_stop": ac_cfg.early_stop}
     if ac_cfg.mode == "full":
         for name, block in list(layers.items()):
             extra = {"context_fn": _keep_routing_metadata} if _syncs_with_host(block) else {}
             layers[name] = checkpoint_wrapper(block, **wrapper_kwargs, **extra)
-        return model
+        return
     if ac_cfg.granularity == "layer":
         for name, block in list(layers.items()):
             # layer ids are global (pipeline stages keep them), so the choice does not depend on the PP split
             if (int(name) + 1) % ac_cfg.layer_freq == 0:
                 layers[name] = checkpoint_wrapper(block, **wrapper_kwargs)
-        return model
+        return
 
     _check_force_modules(layers.values(), ac_cfg.force_recompute_modules)
     rules = [ScopeRule(name) for name in ac_cfg.force_recompute_modules]
@@ -592,16 +584,15 @@ def apply_ac(model: nn.Module, ac_cfg) -> nn.Module:
         for name, block in list(layers.items()):
             policy = _SelectivePolicy(ac_cfg.save_ops, _ScopeTracker(block, "", rules))
             layers[name] = checkpoint_wrapper(block, context_fn=policy.context_fn(), **wrapper_kwargs)
-        return model
+        return
 
-    rules += [rule for name in ac_cfg.recompute_modules for rule in RECOMPUTE_MODULES[name]]
+    rules += [rule for name in ac_cfg.recompute_modules for rule in recompute_modules[name]]
     for block in layers.values():
         for fqn in _covering_modules(block, rules):
             module = block.get_submodule(fqn)
             policy = _SelectivePolicy(ac_cfg.save_ops, _ScopeTracker(module, fqn, rules))
             composable_checkpoint(module, context_fn=policy.context_fn(), preserve_rng_state=True,
                                   early_stop=ac_cfg.early_stop)
-    return model
 
 
 # ----------------------------------------------------------------------------------------------- measurement

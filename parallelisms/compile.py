@@ -1,25 +1,14 @@
-"""torch.compile of the transformer blocks and of the loss (the `[compile]` section).
+"""torch.compile of the units a model's parallelize plan hands in, and of the loss (the `[compile]` section).
 
-`apply_compile(model, compile_cfg)` compiles every block of a model part in place (`Module.compile`, so parameter
-names, state_dict keys and attribute access do not change). It runs after expert parallelism and activation
-checkpointing and before FSDP, so a block may already be a `CheckpointWrapper` (compile(AC(block))) and FSDP's
-hooks, which run in `Module.__call__` outside the compiled `forward`, wrap the compiled block.
-
-Two shapes of compiled block, chosen per block by whether its token dispatcher can be traced:
-
-    dense block, or MoE block with a traceable dispatcher (`LocalTokenDispatcher`, EP = 1):
-        the whole block is one graph (`fullgraph=True`): attention, router, sort, grouped experts, combine,
-        shared experts, token counting and the aux-loss hook. Every shape is fixed by (batch, seq): the grouped
-        layout always has B*S*top_k rows, and the per-expert counts are a device tensor of offsets, so changing
-        routing never changes a shape and never recompiles.
-
-    MoE block whose dispatcher is not traceable (EP backends: host syncs such as the split sizes, collectives):
-        the block's children are compiled, each with `fullgraph=True`: attention, the router, the grouped
-        experts and the shared experts. `TransformerBlock.forward` (two RMSNorms, residual adds) and
-        `MoE.forward` (counting, dispatch, weighting, combine) stay eager, so the host sync and the collectives
-        never enter a graph, and an eager activation-checkpoint recompute never counts tokens twice. The
-        grouped experts see a different number of rows every step (sometimes none); that dimension is marked
-        dynamic (unbacked) before the first compile, so one graph serves every step.
+`apply_compile(units, compile_cfg, graphs_per_code)` compiles each `CompileUnit` in place (`Module.compile`, so
+parameter names, state_dict keys and attribute access do not change), each with `fullgraph=True`. It runs after
+expert parallelism and activation checkpointing and before FSDP, so a unit may already be a `CheckpointWrapper`
+(compile(AC(block))) and FSDP's hooks, which run in `Module.__call__` outside the compiled `forward`, wrap the
+compiled unit. The plan decides what a unit is: a whole block, or, where part of a block cannot be traced (a
+dispatcher that syncs with the host or communicates), the pieces around that part, which then stays eager. A
+unit whose leading input dimension changes every step (rows received from other ranks) is marked
+`dynamic_rows`: that dimension is marked dynamic (unbacked) before the first compile, so one graph serves every
+step. models/deepseek_v3/parallelize.py is the DeepSeek-V3 plan.
 
 `compile_loss(loss_fn, compile_cfg)` compiles the loss on its own, with the batch and sequence dimensions dynamic
 (validation, a shorter last batch or another seq_len reuse the graph).
@@ -31,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,7 +29,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from parallelisms.torch_compat import torch_at_least
 
-__all__ = ["SECONDS_PER_GRAPH", "apply_compile", "compile_loss", "compiled_modules", "first_compile"]
+__all__ = ["SECONDS_PER_GRAPH", "CompileUnit", "apply_compile", "compile_loss", "compiled_modules", "first_compile"]
 
 SECONDS_PER_GRAPH = 15
 """Cold compile time of one graph (forward + backward), measured on the 2-core CPU dev machine: 35-45 s for the
@@ -48,32 +38,43 @@ debug model's three graphs (docs/compile.md). Only for the estimate the trainer 
 logger = logging.getLogger(__name__)
 
 
-def apply_compile(model: nn.Module, compile_cfg) -> nn.Module:
-    """Compile the blocks of `model` (a DeepSeek-V3 model or pipeline stage) in place; returns `model`.
+@dataclass(frozen=True)
+class CompileUnit:
+    """One module to compile with `fullgraph=True`, as a model's parallelize plan hands it in.
 
-    A no-op unless `compile_cfg.enable` and "model" is in `compile_cfg.components`. Call it after
-    `apply_expert_parallel` (the dispatcher decides the structure) and `apply_ac`, and before `apply_fsdp`.
+    module: compiled in place.
+    block: the model block it belongs to (the module itself for a whole block); the log counts blocks.
+    variant: tells apart modules of one class whose forward traces to different graphs (a dense and an MoE
+        block, say); None when the class alone decides.
+    dynamic_rows: the leading dimension of its first input changes every step (sometimes 0): marked unbacked
+        before every call, so the first compile already serves every count.
+    """
+
+    module: nn.Module
+    block: nn.Module
+    variant: Hashable = None
+    dynamic_rows: bool = False
+
+
+def apply_compile(units: Sequence[CompileUnit], compile_cfg, graphs_per_code: int,
+                  problem: str | None = None) -> None:
+    """Compile `units` in place when `compile_cfg.enable` and "model" is in `compile_cfg.components`.
+
+    graphs_per_code: how many graphs one code object may need in this process (the recompile limit); past it
+        fullgraph=True fails. problem: why this model cannot be compiled (raised as ValueError when compiling),
+        or None. Call it after `apply_expert_parallel` (the dispatcher decides the units) and `apply_ac`, and
+        before `apply_fsdp`.
     """
     if not (compile_cfg.enable and "model" in compile_cfg.components):
-        return model
-    # Blocks that differ only in their weights share one graph. A wrapper holding per-block Python state (the
-    # selective-AC policy object of each block) makes dynamo compile every block on its own, and past
-    # `recompile_limit` graphs per code object fullgraph=True fails: allow a training and an eval graph per block.
-    args = model.args
+        return
+    if problem is not None:
+        raise ValueError(problem)
     compile_kwargs = dict(backend=compile_cfg.backend, fullgraph=True)
-    _allow_recompiles(compile_kwargs, 2 * (args.n_layers + args.num_mtp_layers))
-    for block in _blocks(model):
-        inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
-        if inner.moe_enabled and not inner.moe.experts.use_grouped_mm:
-            # the per-expert loop slices by counts read on the host: under fullgraph those become unbacked sizes,
-            # on which inductor's CPU codegen fails in torch 2.13 (see docs/compile.md)
-            raise ValueError("compiling the model needs moe.use_grouped_mm = true (the per-expert loop is the "
-                             "eager reference path)")
-        if inner.moe_enabled and not inner.moe.dispatcher.traceable:
-            _compile_around_dispatcher(inner, compile_kwargs)
-        else:
-            block.compile(**compile_kwargs)
-    return model
+    _allow_recompiles(compile_kwargs, graphs_per_code)
+    for unit in units:
+        unit.module.compile(**compile_kwargs)
+        if unit.dynamic_rows:
+            unit.module.register_forward_pre_hook(_rows_unbacked)
 
 
 def _allow_recompiles(compile_kwargs: dict, graphs: int) -> None:
@@ -96,56 +97,33 @@ def compiled_modules(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if getattr(module, "_compiled_call_impl", None)]
 
 
-def first_compile(models: list[nn.Module]) -> tuple[int, int]:
-    """(blocks holding compiled code, distinct graphs their first call compiles) of the model parts of one process
-    after `apply_compile`.
+def first_compile(units: Sequence[CompileUnit]) -> tuple[int, int]:
+    """(blocks holding compiled code, distinct graphs their first call compiles) of the compile units of one
+    process's model parts after `apply_compile` (units left uncompiled count for nothing).
 
     An estimate for the log. Compiled modules share a graph when they run the same code with the same structure
-    (a dense and an MoE block differ; so do a checkpointed and a plain block) and the same activation-checkpoint
+    (the unit's class and `variant`; a checkpointed and a plain block differ) and the same activation-checkpoint
     `context_fn` object: selective AC gives every block its own policy, which dynamo guards by identity.
     """
-    blocks = sum(any(getattr(m, "_compiled_call_impl", None) for m in block.modules())
-                 for model in models for block in _blocks(model))
+    compiled = [u for u in units if getattr(u.module, "_compiled_call_impl", None) is not None]
     graphs = set()
-    for module in (m for model in models for m in model.modules()):
-        if getattr(module, "_compiled_call_impl", None) is None:
-            continue
+    for unit in compiled:
+        module = unit.module
         wrapped = isinstance(module, CheckpointWrapper)
         inner = module._checkpoint_wrapped_module if wrapped else module
         context_fn = module.checkpoint_fn.keywords.get("context_fn") if wrapped else None
-        graphs.add((type(module), type(inner), getattr(inner, "moe_enabled", None), context_fn))
-    return blocks, len(graphs)
-
-
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    blocks = list(model.layers.values())
-    if model.mtp is not None:
-        blocks += [mod.block for mod in model.mtp.layers]
-    return blocks
-
-
-def _compile_around_dispatcher(block: nn.Module, compile_kwargs: dict) -> None:
-    """Compile everything of an MoE block except the glue around its (host-synchronising) dispatcher."""
-    moe = block.moe
-    # Not the two RMSNorms: one op each (the fused kernel on CUDA), with nothing to fuse with, since the residual
-    # adds around them stay eager. (Before models/deepseek_v3/norm.py they were torch's own nn.RMSNorm, whose
-    # forward is in dynamo's skip files, so `Module.compile` could not compile them under fullgraph=True.)
-    pieces = [block.attention, moe.router, moe.experts]
-    if moe.shared_experts is not None:
-        pieces.append(moe.shared_experts)
-    for piece in pieces:
-        piece.compile(**compile_kwargs)
-    moe.experts.register_forward_pre_hook(_rows_unbacked)
+        graphs.add((type(module), type(inner), unit.variant, context_fn))
+    return len({id(u.block) for u in compiled}), len(graphs)
 
 
 @torch.compiler.disable
-def _rows_unbacked(experts: nn.Module, args: tuple) -> None:
-    """Forward pre-hook of compiled grouped experts fed by a communicating dispatcher; runs eagerly.
+def _rows_unbacked(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a compiled `dynamic_rows` unit (its rows come from other ranks); runs eagerly.
 
     The number of rows a rank receives changes every step. Marked dynamic before the first compile, one graph
     serves every count (no recompile at step 2, when `automatic_dynamic_shapes` would notice the change).
     Unbacked rather than `mark_dynamic`: a backed size is specialised at 0 and 1 and would compile again for a
-    rank that receives no rows or one row; nothing in the experts needs to branch on the row count.
+    rank that receives no rows or one row; the unit must not branch on the row count.
     """
     torch._dynamo.decorators.mark_unbacked(args[0], 0)
 

@@ -1,4 +1,7 @@
-"""FSDP2 (`fully_shard`) for a DeepSeek-V3 model part: per block, experts on their own mesh, root last.
+"""FSDP2 (`fully_shard`) over the units a model's parallelize plan hands in, root last.
+
+The plan names the units (which modules form one all-gather, on which mesh, with which reshard choice) and, where
+implicit prefetch would stall, the order in which units run; this module knows no model.
 
 Gradients are summed, never averaged: the loss is already divided by the global number of tokens, so FSDP's
 division by the data-parallel size would scale gradients down a second time.
@@ -6,53 +9,57 @@ division by the data-parallel size would scale gradients down a second time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+__all__ = ["FSDPUnit", "apply_fsdp"]
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def apply_fsdp(model: nn.Module, meshes, param_dtype: str, reduce_dtype: str, reshard_after_forward: bool) -> None:
-    """Shard `model` in place. Embedding, each block, the MTP blocks and [norm, output] are separate units."""
+@dataclass(frozen=True)
+class FSDPUnit:
+    """One `fully_shard` call: its parameters are all-gathered together.
+
+    modules: a module, or a list of modules sharded as one group.
+    mesh: the `Meshes` field to shard over: "dense" (non-expert weights) or "experts" (expert weights, already
+        split over EP; FSDP shards each rank's share over the remaining data-parallel ranks).
+    reshard_after_forward: None follows the job's setting; True or False overrides it for this unit.
+    """
+
+    modules: nn.Module | list[nn.Module]
+    mesh: str = "dense"
+    reshard_after_forward: bool | None = None
+
+
+def apply_fsdp(units: Sequence[FSDPUnit], root: nn.Module, meshes, param_dtype: str, reduce_dtype: str,
+               reshard_after_forward: bool, forward_prefetch: Sequence[Sequence[nn.Module]] = (),
+               backward_prefetch: Sequence[Sequence[nn.Module]] = ()) -> None:
+    """Shard `units` in the given order (a unit nested in another comes first), then `root` on the dense mesh.
+
+    forward_prefetch / backward_prefetch: groups of modules in forward order. When a group's first module runs
+    (forward, resp. backward), it issues the all-gathers of the sharded modules of the group that runs next
+    (the following group in forward, the preceding one in backward). Empty: FSDP's implicit prefetch.
+    """
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
-    dense = dict(mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    if model.tok_embeddings is not None:
-        fully_shard(model.tok_embeddings, **dense)
-    blocks = list(model.layers.values())
-    if model.mtp is not None:
-        blocks += [mod.block for mod in model.mtp.layers]
-    for block in blocks:
-        if meshes.experts is not None and block.moe_enabled:
-            # experts are already split over EP; FSDP shards each rank's experts over the remaining DP ranks
-            fully_shard(block.moe.experts, mesh=meshes.experts, mp_policy=mp,
-                        reshard_after_forward=reshard_after_forward)
-        fully_shard(block, **dense)
-    head = [m for m in (model.norm, model.output) if m is not None]
-    if head:
-        # the head runs last in forward and first in backward: resharding it in between only adds an all-gather
-        fully_shard(head, **{**dense, "reshard_after_forward": False})
-    fully_shard(model, **dense)
-    for module in model.modules():
+    for unit in units:
+        reshard = reshard_after_forward if unit.reshard_after_forward is None else unit.reshard_after_forward
+        fully_shard(unit.modules, mesh=getattr(meshes, unit.mesh), mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(root, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
-    if meshes.ep is not None:
-        _set_explicit_prefetch(model, blocks)
+    for current, following in zip(forward_prefetch, forward_prefetch[1:]):
+        current[0].set_modules_to_forward_prefetch(_sharded(following))
+    reversed_groups = list(backward_prefetch)[::-1]
+    for current, previous in zip(reversed_groups, reversed_groups[1:]):
+        current[0].set_modules_to_backward_prefetch(_sharded(previous))
 
 
-def _set_explicit_prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:
-    """With EP, every MoE layer syncs with the host (split sizes), which stalls FSDP's implicit prefetch of the
-    next block's all-gather; name the next units explicitly so their all-gathers are issued early."""
-    units = ([model.tok_embeddings] if model.tok_embeddings is not None else []) + blocks
-    for current, following in zip(units, units[1:]):
-        nxt = [following]
-        if getattr(following, "moe_enabled", False) and isinstance(following.moe.experts, FSDPModule):
-            nxt.append(following.moe.experts)
-        current.set_modules_to_forward_prefetch(nxt)
-    reversed_blocks = blocks[::-1]
-    for current, previous in zip(reversed_blocks, reversed_blocks[1:]):
-        prev = [previous]
-        if getattr(previous, "moe_enabled", False) and isinstance(previous.moe.experts, FSDPModule):
-            prev.append(previous.moe.experts)
-        current.set_modules_to_backward_prefetch(prev)
+def _sharded(group: Sequence[nn.Module]) -> list[FSDPModule]:
+    return [m for m in group if isinstance(m, FSDPModule)]

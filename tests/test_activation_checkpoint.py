@@ -19,8 +19,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.model import DeepSeekV3Model
 from models.deepseek_v3.moe import MoE
-from parallelisms.activation_checkpoint import (OP_TABLE, RECOMPUTE_MODULES, OpCounter, OpRef, ac_config_problem,
-                                                apply_ac, op_kind, resolve_ops, save_ops_warning)
+from models.deepseek_v3.parallelize import RECOMPUTE_MODULES, checkpoint_model
+from parallelisms.activation_checkpoint import (OP_TABLE, OpCounter, OpRef, ac_config_problem, apply_ac, op_kind,
+                                                resolve_ops, save_ops_warning)
 from trainer.config import ActivationCheckpointSection, ConfigError, JobConfig, validate_job
 
 TINY = ModelArgs(vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=3, n_dense_layers=1, n_heads=2,
@@ -40,7 +41,7 @@ def build(cfg: ActivationCheckpointSection, args: ModelArgs = TINY) -> DeepSeekV
     torch.manual_seed(0)
     with torch.device("meta"):
         model = DeepSeekV3Model(args)
-    apply_ac(model, cfg)
+    checkpoint_model(model, cfg)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     return model.train()
@@ -251,12 +252,16 @@ def test_d2h_copy_is_any_copy_into_host_memory():
 
 def test_unknown_names_are_rejected():
     with pytest.raises(ValueError, match="unknown op name 'matmul'.*allowed: mm, grouped_mm"):
-        apply_ac(build(ac()), ac(mode="selective", save_ops=["matmul"]))
+        checkpoint_model(build(ac()), ac(mode="selective", save_ops=["matmul"]))
     with pytest.raises(ValueError, match="unknown module name 'attn'.*allowed: core_attn, mla_up_proj"):
-        apply_ac(build(ac()), ac(mode="selective", recompute_modules=["attn"]))
-    assert ac_config_problem(ac(mode="full", recompute_modules=["moe"]))[0] == "activation_checkpoint.recompute_modules"
-    assert ac_config_problem(ac(mode="selective", recompute_modules=list(RECOMPUTE_MODULES))) is None
-    assert ac_config_problem(ac(mode="selective", recompute_modules=["moe"]), compile_model=True) is not None
+        checkpoint_model(build(ac()), ac(mode="selective", recompute_modules=["attn"]))
+    table = RECOMPUTE_MODULES
+    assert ac_config_problem(ac(mode="full", recompute_modules=["moe"]), table)[0] == \
+        "activation_checkpoint.recompute_modules"
+    assert ac_config_problem(ac(mode="selective", recompute_modules=list(table)), table) is None
+    assert ac_config_problem(ac(mode="selective", recompute_modules=["moe"]), table, compile_model=True) is not None
+    # another model's table: the names are the model's, not the policy's
+    assert ac_config_problem(ac(mode="selective", recompute_modules=["moe"]), {"gate": ()})[2] == "gate"
 
 
 @pytest.mark.parametrize("key, value, valid", [
@@ -408,7 +413,8 @@ class _ToyModel(nn.Module):
 
 def _toy_backward(cfg) -> OpCounter:
     torch.manual_seed(0)
-    model = apply_ac(_ToyModel(), cfg)
+    model = _ToyModel()
+    apply_ac(model.layers, cfg, {})
     x = torch.randn(2, 8, 16)
     out = model(x)
     counter = OpCounter()
@@ -430,7 +436,8 @@ def test_attention_toggle_with_the_fused_cpu_kernel():
 def test_scope_state_survives_an_exception_and_recompute(early_stop):
     cfg = ac(mode="selective", save_ops=["mm", "attention"], force_recompute_modules=["gate"], early_stop=early_stop)
     torch.manual_seed(0)
-    model = apply_ac(_ToyModel(), cfg)
+    model = _ToyModel()
+    apply_ac(model.layers, cfg, {})
     base = _toy_backward(ac())
     gate = model.layers["0"].gate
     gate.fail = True
@@ -523,7 +530,7 @@ def _a2a_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             torch.manual_seed(0)
             model = nn.Module()
             model.layers = nn.ModuleDict({str(i): _CommBlock() for i in range(2)})
-            apply_ac(model, cfg)
+            apply_ac(model.layers, cfg, {})
             h = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
             for layer in model.layers.values():
                 h = layer(h)

@@ -138,7 +138,7 @@ def test_backend_ops_join_the_op_table_and_the_default_save_ops(scratch_registry
     assert ac.op_kind(op) == "toy_send"  # the index was rebuilt when the backend registered
     assert ac.resolve_ops("toy_send") == [op] and "toy_send" in ac.COLLECTIVE_OPS
     assert "toy_send" in ActivationCheckpointSection().save_ops
-    assert ac.ac_config_problem(ActivationCheckpointSection(mode="selective", save_ops=["toy_send"])) is None
+    assert ac.ac_config_problem(ActivationCheckpointSection(mode="selective", save_ops=["toy_send"]), {}) is None
 
 
 def test_a_backend_whose_ops_clash_is_not_registered(scratch_registry):

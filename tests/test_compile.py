@@ -27,8 +27,8 @@ from torch._dynamo.utils import counters
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.model import DeepSeekV3Model
 from models.deepseek_v3.moe import update_expert_bias
-from parallelisms.activation_checkpoint import apply_ac
-from parallelisms.compile import apply_compile, compile_loss, compiled_modules
+from models.deepseek_v3.parallelize import checkpoint_model, compile_model
+from parallelisms.compile import compile_loss, compiled_modules
 from trainer.config import ActivationCheckpointSection, CompileSection
 from trainer.loss import IGNORE_INDEX, count_valid_tokens, cross_entropy_sum
 
@@ -60,8 +60,8 @@ def _train_tiny(compiled: bool, device: str = "cpu") -> tuple[list[float], list[
     with torch.device("meta"):
         model = DeepSeekV3Model(TINY)
     if compiled:
-        apply_ac(model, ActivationCheckpointSection(mode="selective"))
-        apply_compile(model, COMPILE)
+        checkpoint_model(model, ActivationCheckpointSection(mode="selective"))
+        compile_model(model, COMPILE)
     model.to_empty(device=device)
     model.init_weights(buffer_device=torch.device(device), seed=0)
     model.train()
@@ -130,9 +130,9 @@ def test_compile_disabled_changes_nothing():
     with torch.device("meta"):
         model = DeepSeekV3Model(TINY)
     off = CompileSection(enable=False)
-    assert compiled_modules(apply_compile(model, off)) == []
+    assert compiled_modules(compile_model(model, off)) == []
     assert compile_loss(cross_entropy_sum, off) is cross_entropy_sum
-    assert compiled_modules(apply_compile(model, CompileSection(enable=True, components=["loss"]))) == []
+    assert compiled_modules(compile_model(model, CompileSection(enable=True, components=["loss"]))) == []
 
 
 def test_compile_on_a_torch_without_per_call_recompile_limit(monkeypatch):
@@ -151,7 +151,7 @@ def test_compile_on_a_torch_without_per_call_recompile_limit(monkeypatch):
     with torch.device("meta"):
         model = DeepSeekV3Model(TINY.replace(n_layers=6))
     with torch._dynamo.config.patch(recompile_limit=8):
-        apply_compile(model, COMPILE)
+        compile_model(model, COMPILE)
         assert torch._dynamo.config.recompile_limit == 12  # a training and an eval graph for each of the 6 blocks
     assert len(compiled_modules(model)) == 6
 
@@ -162,7 +162,7 @@ def test_compile_on_this_torch_sets_the_limit_per_call(monkeypatch):
     with torch.device("meta"):
         model = DeepSeekV3Model(TINY.replace(n_layers=6))
     with torch._dynamo.config.patch(recompile_limit=8):
-        apply_compile(model, COMPILE)
+        compile_model(model, COMPILE)
         assert torch._dynamo.config.recompile_limit == 8  # torch 2.13: per call, the global limit untouched
     assert [c["recompile_limit"] for c in calls] == [12] * 6
 
@@ -171,7 +171,7 @@ def test_compile_rejects_the_per_expert_loop():
     with torch.device("meta"):
         model = DeepSeekV3Model(TINY.replace(use_grouped_mm=False))
     with pytest.raises(ValueError, match="use_grouped_mm"):
-        apply_compile(model, COMPILE)
+        compile_model(model, COMPILE)
 
 
 @pytest.mark.slow

@@ -309,7 +309,7 @@ def _build(mesh, path: str, backend: str = "deepep"):
     ac = {"full": _ac_config("full"), "full_early_stop": _ac_config("full", early_stop=True),
           "sac_saved": _ac_config("selective"), "sac_recomputed": _ac_config("selective", save_deepep=False)}
     if path in ac:
-        apply_ac(model, ac[path])
+        apply_ac(model.layers, ac[path], {})
     return model, moes
 
 

@@ -270,7 +270,7 @@ def _tiny_model(recipe: str, ac_mode: str = "none", extra: list[str] = ()):
     """A 2-layer debug model (one dense, one MoE block) with the [fp8] and AC sections applied, initialised."""
     from models.deepseek_v3.args import FLAVORS
     from models.deepseek_v3.model import DeepSeekV3Model
-    from parallelisms.activation_checkpoint import apply_ac
+    from models.deepseek_v3.parallelize import checkpoint_model
     from parallelisms.fp8 import apply_fp8
     from trainer.config import load_config
 
@@ -278,7 +278,7 @@ def _tiny_model(recipe: str, ac_mode: str = "none", extra: list[str] = ()):
     with torch.device("meta"):
         model = DeepSeekV3Model(FLAVORS["debugmodel"].replace(n_layers=2))
     converted = apply_fp8(model, cfg.fp8)
-    apply_ac(model, cfg.activation_checkpoint)
+    checkpoint_model(model, cfg.activation_checkpoint)
     model.to_empty(device="cpu")
     model.init_weights(buffer_device=torch.device("cpu"), seed=0)
     return model, converted

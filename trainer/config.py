@@ -40,6 +40,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 from parallelisms.activation_checkpoint import ac_config_problem
 from parallelisms.moe_comm.registry import COMM_BACKENDS, backend_save_ops, get_comm_backend
+from trainer.registry import get_model_spec
 
 if TYPE_CHECKING:
     from parallelisms.parallel_dims import ParallelDims
@@ -899,7 +900,8 @@ def validate_job(cfg: JobConfig, world_size: int) -> "ParallelDims":
     """Cross-section checks that need the world size but not the model; returns the resolved ParallelDims.
 
     Model-dependent checks (experts divisible by EP, seq_len within the model's limit, layers per stage) are
-    the model spec's job.
+    the model spec's job; only the names of `activation_checkpoint.recompute_modules` are checked here, against
+    the table the spec exposes.
     """
     # Imported here because parallel_dims imports ConfigError from this module.
     from parallelisms.parallel_dims import ParallelDims
@@ -949,11 +951,20 @@ def validate_job(cfg: JobConfig, world_size: int) -> "ParallelDims":
                           "true with compile.components containing model")
     if not cfg.dataset.name and not cfg.dataset.path:
         raise ConfigError("dataset.name", "empty and dataset.path is empty too", "a dataset name or a dataset.path")
-    ac_problem = ac_config_problem(cfg.activation_checkpoint,
+    ac_problem = ac_config_problem(cfg.activation_checkpoint, _recompute_modules(cfg.model.name),
                                    compile_model=cfg.compile.enable and "model" in cfg.compile.components)
     if ac_problem is not None:
         raise ConfigError(*ac_problem)
     return dims
+
+
+def _recompute_modules(model_name: str):
+    """The model spec's recompute-name table (no model is built), or None for a model the registry does not know:
+    `trainer.train.prepare` reports that one."""
+    try:
+        return get_model_spec(model_name).recompute_modules
+    except KeyError:
+        return None
 
 
 def _validate_pipeline(cfg: JobConfig, pp: int) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -30,6 +31,11 @@ class ModelSpec:
     post_optimizer_step(model_parts, job_config, dp_group) -> dict of scalars to log (e.g. MoE bias update).
     counts(args, seq_len) -> (total params, active params, training FLOPs per token).
     state_dict_adapter: HF checkpoint import/export helpers (module or object), or None.
+    recompute_modules: the names `activation_checkpoint.recompute_modules` accepts, each mapped to the
+        `parallelisms.activation_checkpoint.ScopeRule`s it stands for (the model's submodule names); the config
+        checks names against it before the model is built.
+    compile_units(model_part) -> the `parallelisms.compile.CompileUnit`s that `parallelize_fn` compiles, or None
+        when the model is never compiled; the trainer's compile-time estimate counts them.
     """
 
     name: str
@@ -42,6 +48,8 @@ class ModelSpec:
     post_optimizer_step: Callable[..., dict[str, float]]
     counts: Callable[[Any, int], tuple[int, int, float]]
     state_dict_adapter: Any = None
+    recompute_modules: Mapping[str, Any] = field(default_factory=dict)
+    compile_units: Callable[[nn.Module], list] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

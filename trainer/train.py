@@ -284,7 +284,8 @@ class Trainer:
         cfg = self.cfg.compile
         if not cfg.enable:
             return
-        blocks, graphs = first_compile(self.model_parts)
+        units_of = self.spec.compile_units or (lambda part: [])
+        blocks, graphs = first_compile([unit for part in self.model_parts for unit in units_of(part)])
         loss = "loss" in cfg.components
         graphs += loss
         logger.info("compiling %d blocks%s: the first step takes ~%d s longer (estimate: %d graphs x ~%d s, the "

@@ -15,7 +15,7 @@ from .flops import count_params, training_flops_per_token
 from .hf import load_hf_pretrained
 from .model import DeepSeekV3Model, TransformerBlock
 from .moe import update_expert_bias
-from .parallelize import parallelize_deepseek_v3
+from .parallelize import RECOMPUTE_MODULES, compile_units, parallelize_deepseek_v3
 
 
 def build_args(job_config) -> ModelArgs:
@@ -129,6 +129,8 @@ register_model_spec(ModelSpec(
     post_optimizer_step=post_optimizer_step,
     counts=counts,
     state_dict_adapter=hf,
+    recompute_modules=RECOMPUTE_MODULES,
+    compile_units=compile_units,
 ))
 
 __all__ = ["DeepSeekV3Model", "ModelArgs", "FLAVORS", "build_args", "load_hf_pretrained"]

@@ -1,21 +1,62 @@
-"""Apply the parallelisms to a DeepSeek-V3 model (part), in the documented order:
+"""The DeepSeek-V3 parallelize plan: the one place that tells the generic parallelisms which modules to work on.
+
+Order (per pipeline stage; pipeline splitting happens before this, in `parallelisms/pipeline.py`):
 
     expert parallel -> FP8 conversion -> activation checkpointing -> compile -> FSDP
 
-Pipeline splitting happens before this (`parallelisms/pipeline.py`); each stage is then parallelized here.
-FSDP comes last so that its hooks wrap the checkpointed and compiled blocks.
+FSDP comes last so that its hooks wrap the checkpointed and compiled blocks. `parallelisms/` holds the generic
+`apply_*` functions; this module builds their inputs from the model (the recompute-name table, the compile units,
+the FSDP units and prefetch order) and passes every piece of state explicitly.
+
+Compile units, chosen per block by whether its token dispatcher can be traced:
+
+    dense block, or MoE block with a traceable dispatcher (`LocalTokenDispatcher`, EP = 1):
+        the whole block is one graph: attention, router, sort, grouped experts, combine, shared experts, token
+        counting and the aux-loss hook. Every shape is fixed by (batch, seq): the grouped layout always has
+        B*S*top_k rows, and the per-expert counts are a device tensor of offsets, so changing routing never
+        changes a shape and never recompiles.
+
+    MoE block whose dispatcher is not traceable (EP backends: host syncs such as the split sizes, collectives):
+        attention, the router, the grouped experts and the shared experts, each its own graph.
+        `TransformerBlock.forward` (two RMSNorms, residual adds) and `MoE.forward` (counting, dispatch,
+        weighting, combine) stay eager, so the host sync and the collectives never enter a graph, and an eager
+        activation-checkpoint recompute never counts tokens twice. The grouped experts see a different number
+        of rows every step (sometimes none): they are a `dynamic_rows` unit.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from parallelisms.activation_checkpoint import apply_ac
-from parallelisms.compile import apply_compile
+from parallelisms.activation_checkpoint import ScopeRule, apply_ac
+from parallelisms.compile import CompileUnit, apply_compile
 from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.fp8 import apply_fp8
-from parallelisms.fsdp import apply_fsdp
+from parallelisms.fsdp import FSDPUnit, apply_fsdp
+
+#: Megatron-Core `--recompute-modules` names (`activation_checkpoint.recompute_modules`) and what they recompute
+#: in a DeepSeek-V3 block: module names are FQN suffixes inside a block.
+RECOMPUTE_MODULES: dict[str, tuple[ScopeRule, ...]] = {
+    # The attention core between the projections: RoPE, q/k assembly, SDPA (fused, or its math path on CPU).
+    "core_attn": (ScopeRule("attention", direct_only=True),),
+    # The MLA up-projections from the compressed latents, with the latent norms in front of them.
+    "mla_up_proj": (ScopeRule("attention.q_norm"), ScopeRule("attention.wq_b"), ScopeRule("attention.kv_norm"),
+                    ScopeRule("attention.wkv_b")),
+    # The SwiGLU activation of the routed experts (silu and the gate product); the grouped GEMMs follow save_ops.
+    "moe_act": (ScopeRule("moe.experts", kinds=("silu", "mul")),),
+    # The block's two pre-norms (the MLA latent norms belong to mla_up_proj).
+    "layernorm": (ScopeRule("attention_norm"), ScopeRule("ffn_norm")),
+    # The dense SwiGLU FFN of the first n_dense_layers blocks.
+    "mlp": (ScopeRule("feed_forward"),),
+    # The whole MoE layer: router, dispatch, experts, combine, shared experts (collectives stay saved).
+    "moe": (ScopeRule("moe"),),
+    "shared_experts": (ScopeRule("moe.shared_experts"),),
+}
+
+_PER_EXPERT_LOOP = ("compiling the model needs moe.use_grouped_mm = true (the per-expert loop is the eager "
+                    "reference path)")
 
 
 def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job_config) -> nn.Module:
@@ -26,10 +67,92 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job_config)
         dtype = torch.bfloat16 if job_config.training.dtype == "bfloat16" else torch.float32
         apply_expert_parallel(model.moe_layers(), meshes.ep, par.expert_parallel_comm_backend, model.args.dim, dtype)
     apply_fp8(model, job_config.fp8)
-    apply_ac(model, job_config.activation_checkpoint)
-    apply_compile(model, job_config.compile)
+    checkpoint_model(model, job_config.activation_checkpoint)
+    compile_model(model, job_config.compile)
     if parallel_dims.dp_enabled:
         reshard = {"always": True, "never": False}.get(par.fsdp_reshard_after_forward,
                                                         not parallel_dims.pp_enabled)
-        apply_fsdp(model, meshes, job_config.training.dtype, job_config.training.mixed_precision_reduce, reshard)
+        shard_model(model, meshes, job_config.training.dtype, job_config.training.mixed_precision_reduce, reshard)
     return model
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a model part in forward order: its layers, then the MTP blocks."""
+    found = list(model.layers.values())
+    if model.mtp is not None:
+        found += [mod.block for mod in model.mtp.layers]
+    return found
+
+
+def _unwrap(block: nn.Module) -> nn.Module:
+    return block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
+
+
+# ----------------------------------------------------------------------------------------------- activation ckpt
+
+def checkpoint_model(model: nn.Module, ac_cfg) -> nn.Module:
+    """`apply_ac` on the layers (not the MTP blocks) with this model's recompute-name table; returns `model`."""
+    apply_ac(model.layers, ac_cfg, RECOMPUTE_MODULES)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- compile
+
+def compile_units(model: nn.Module) -> list[CompileUnit]:
+    """What `apply_compile` compiles in a model part (see the module docstring); also what the trainer's
+    compile-time estimate counts."""
+    units = []
+    for block in blocks(model):
+        inner = _unwrap(block)
+        if inner.moe_enabled and not inner.moe.dispatcher.traceable:
+            moe = inner.moe
+            # Not the two RMSNorms: one op each (the fused kernel on CUDA), with nothing to fuse with, since the
+            # residual adds around them stay eager. (Before models/deepseek_v3/norm.py they were torch's own
+            # nn.RMSNorm, whose forward is in dynamo's skip files: `Module.compile` could not compile them.)
+            pieces = [inner.attention, moe.router, moe.experts]
+            if moe.shared_experts is not None:
+                pieces.append(moe.shared_experts)
+            units += [CompileUnit(piece, block, dynamic_rows=piece is moe.experts) for piece in pieces]
+        else:
+            units.append(CompileUnit(block, block, variant=inner.moe_enabled))
+    return units
+
+
+def compile_model(model: nn.Module, compile_cfg) -> nn.Module:
+    """`apply_compile` on this model part's compile units; returns `model`."""
+    problem = None
+    if any(_unwrap(b).moe_enabled and not _unwrap(b).moe.experts.use_grouped_mm for b in blocks(model)):
+        # the per-expert loop slices by counts read on the host: under fullgraph those become unbacked sizes, on
+        # which inductor's CPU codegen fails in torch 2.13 (see docs/compile.md)
+        problem = _PER_EXPERT_LOOP
+    # Blocks that differ only in their weights share one graph. A wrapper holding per-block Python state (the
+    # selective-AC policy object of each block) makes dynamo compile every block on its own, and past the recompile
+    # limit fullgraph=True fails: allow a training and an eval graph per block of the whole model (the stages of
+    # one pipeline rank share code objects).
+    graphs_per_code = 2 * (model.args.n_layers + model.args.num_mtp_layers)
+    apply_compile(compile_units(model), compile_cfg, graphs_per_code, problem)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- FSDP
+
+def shard_model(model: nn.Module, meshes, param_dtype: str, reduce_dtype: str, reshard_after_forward: bool) -> None:
+    """`apply_fsdp` with this model's units: the embedding, each block (its routed experts first, on the experts
+    mesh, when EP splits them), the MTP blocks, [norm, output] together, then the model."""
+    embedding = [model.tok_embeddings] if model.tok_embeddings is not None else []
+    units = [FSDPUnit(m) for m in embedding]
+    for block in blocks(model):
+        if meshes.experts is not None and block.moe_enabled:
+            units.append(FSDPUnit(block.moe.experts, mesh="experts"))
+        units.append(FSDPUnit(block))
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if head:
+        # the head runs last in forward and first in backward: resharding it in between only adds an all-gather
+        units.append(FSDPUnit(head, reshard_after_forward=False))
+    prefetch = {}
+    if meshes.ep is not None:
+        # With EP, every MoE layer syncs with the host (split sizes), which stalls FSDP's implicit prefetch of the
+        # next block's all-gather: name the next units explicitly so their all-gathers are issued early.
+        steps = [[block, block.moe.experts] if block.moe_enabled else [block] for block in blocks(model)]
+        prefetch = dict(forward_prefetch=([embedding] if embedding else []) + steps, backward_prefetch=steps)
+    apply_fsdp(units, model, meshes, param_dtype, reduce_dtype, reshard_after_forward, **prefetch)
