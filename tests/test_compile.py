@@ -1,7 +1,7 @@
 """torch.compile of the DeepSeek-V3 blocks and the loss: no recompiles while routing changes, loss close to eager.
 
-A cold compile costs 15-20 s per graph on 2 cores, so each test compiles one small model once and checks
-everything on it. Recompiles are counted with dynamo's process-wide counter of compiled graphs
+A cold compile is slow on 2 cores (docs/compile.md, "Measured gains"), so each test compiles one small model once
+and checks everything on it. Recompiles are counted with dynamo's process-wide counter of compiled graphs
 (`counters["stats"]["unique_graphs"]`), read after every step: a recompile of any block or of the loss adds one.
 
 Numerics: under compile the grouped experts run in bf16 even in an fp32 model (the shape function of
@@ -40,8 +40,8 @@ TINY = ModelArgs(vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers
 COMPILE = CompileSection(enable=True)
 BATCH, SEQ, STEPS, WARMUP = 2, 16, 12, 1
 # Compiled experts compute in bf16 inside the fp32 model (their output differs by about 0.7% of its largest value).
-# At these sizes and inits their share of the residual stream is small: measured loss differences are 1e-7 relative (tiny
-# model, 12 steps) and 5e-6 (debug model, EP=2, 6 steps). 1e-3 leaves room for other seeds and platforms.
+# At these sizes and inits their share of the residual stream is small: measured loss differences are 1e-7 relative
+# (tiny model, 12 steps) and 5e-6 (debug model, EP=2, 6 steps). 1e-3 leaves room for other seeds and platforms.
 LOSS_RTOL = 1e-3
 
 

@@ -2,8 +2,8 @@
 
 Synthetic series pin down the algorithm (robust slope, one alarm, level shifts vs. leaks, periodic growth);
 then leaks are injected into real training runs of a small DeepSeek-V3 (the debug flavor cut to one dense and
-one MoE layer at width 64, about 0.1 s per step with exact tracking) and the detector, with its default window
-and warm-up, must fire on each, and never on a clean 50-step run with validation.
+one MoE layer at width 64, so that steps are quick even with exact tracking) and the detector, with its default
+window and warm-up, must fire on each, and never on a clean 50-step run with validation.
 """
 
 import json
