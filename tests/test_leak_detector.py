@@ -136,7 +136,7 @@ def test_from_config_defaults_and_switches():
 @pytest.fixture(autouse=True)
 def _one_thread():
     # The small model's ops are tiny: a second intra-op thread only adds synchronisation, which on a busy
-    # 2-core machine made steps up to 5x slower.
+    # 2-core machine made steps several times slower.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
