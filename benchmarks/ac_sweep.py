@@ -2,7 +2,7 @@
 
     python benchmarks/ac_sweep.py                       # debug model, batch 4 x 256 (train_configs/debug_model.toml)
     python benchmarks/ac_sweep.py --job.config_file X.toml --training.seq_len 512   # any trainer config
-    python benchmarks/ac_sweep.py --smoke               # tiny model, one step per row: checks the output schema
+    python benchmarks/ac_sweep.py --smoke               # tiny model, one step per row: what the tests run
     python benchmarks/ac_sweep.py --rows full,save_ops-   # only rows whose names start with these (+ no AC)
     python benchmarks/ac_sweep.py --threads 1           # steadier CPU times on a machine shared with other jobs
 
@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     """Command line entry point; unknown arguments are trainer config overrides."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model, one tracked step per row, no timing "
-                        "steps (checks the output schema; its times mean nothing)")
+                        "steps (what the tests run; its times mean nothing)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before timing")
     parser.add_argument("--timed", type=int, default=5, help="timed rounds (one step of every row each); the "
                         "median is reported")

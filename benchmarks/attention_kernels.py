@@ -2,7 +2,7 @@
 
     python benchmarks/attention_kernels.py                     # 16B shapes: batch 2, 16 heads, seq 4096, bf16
     python benchmarks/attention_kernels.py --batch 4 --seq 2048
-    python benchmarks/attention_kernels.py --smoke             # tiny shapes, 1 repeat: checks the schema
+    python benchmarks/attention_kernels.py --smoke             # tiny shapes, 1 repeat: what the tests run
 
 FlashAttention needs equal head dims, so MLA's unequal ones send SDPA to another kernel (memory-efficient or cuDNN
 on CUDA, math on CPU in fp32); zero-padding v to q/k's head dim and slicing the output is exact and opens the flash
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--v", type=int, default=128, help="v head dim")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 repeat: checks the schema")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 repeat: what the tests run")
     args = vars(parser.parse_args(argv))
     if args.pop("smoke"):
         args.update(SMOKE)

@@ -3,7 +3,7 @@
     python benchmarks/compile_gain.py                    # debug model, batch 4 x 256, fp32 and bf16, 10 timed steps
     python benchmarks/compile_gain.py --steps 20 --dtypes bfloat16 --training.seq_len 512   # + any trainer flag
     python benchmarks/compile_gain.py --profile          # + the top ops of one step of every variant
-    python benchmarks/compile_gain.py --smoke            # tiny model, 2 steps, fp32, dynamo only: checks the schema
+    python benchmarks/compile_gain.py --smoke            # tiny model, 2 steps, fp32, dynamo only: what the tests run
 
 Every variant (dtype x eager/compiled) runs in a fresh process, so compile caches, allocator arenas and peak
 resident sizes of one variant cannot leak into another; the inductor cache starts empty (a temporary
@@ -61,7 +61,7 @@ from benchmarks.common import machine_info  # noqa: E402  (needs the repo root o
 
 DEFAULT_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "256",
                   "--training.local_batch_size", "4"]
-# --smoke: the tiny test model; dynamo with the eager backend so the schema check takes seconds, not minutes
+# --smoke: the tiny test model; dynamo with the eager backend so the tests' run takes seconds, not minutes
 SMOKE_ARGS = dict(vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=2, n_dense_layers=1, n_heads=2,
                   max_seq_len=32, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, q_lora_rank=0,
                   kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)

@@ -4,7 +4,7 @@
     python benchmarks/moe_vs_dense.py --flavor cpu_bench
     python benchmarks/moe_vs_dense.py --repeats 50 --warmup 5  # longer
     python benchmarks/moe_vs_dense.py --fixed_batch            # the same batch every repeat
-    python benchmarks/moe_vs_dense.py --smoke                  # tiny layer, 1 repeat: checks the schema
+    python benchmarks/moe_vs_dense.py --smoke                  # tiny layer, 1 repeat: what the tests run
 
 The MoE is `models.deepseek_v3.moe.MoE(args)` as the model builds it for its first MoE layer (training mode, the
 flavor's `use_grouped_mm`, local token dispatcher: no expert parallelism), initialised by the model's own rules

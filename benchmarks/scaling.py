@@ -3,7 +3,7 @@ single-process runs sharing the same cores; both measured with `benchmarks/throu
 
     python benchmarks/scaling.py                         # debug model, 4 x 256, fp32, 2 ranks: 2 warm-up + 10 timed
     python benchmarks/scaling.py --steps 20 --training.dtype bfloat16      # + any throughput.py or trainer flag
-    python benchmarks/scaling.py --smoke                 # throughput.py's tiny model, 2 timed steps: the schema
+    python benchmarks/scaling.py --smoke                 # throughput.py's tiny model, 2 timed steps: what the tests run
 
 Two measurements, one after the other, same model, batch per rank, seq_len and dtype (default:
 train_configs/debug_model.toml at seq 256, batch 4, memory.track off, fp32; extra flags go to every run, later

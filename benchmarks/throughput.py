@@ -5,7 +5,7 @@ tokens/s, TFLOP/s, MFU, time split (communication included) and, on CUDA, where 
     python benchmarks/throughput.py --config train_configs/h100_bench.toml             # one GPU, 16B shapes
     python benchmarks/throughput.py --config train_configs/debug_model.toml --training.seq_len 256 \\
         --training.local_batch_size 4 --memory.track off --training.dtype bfloat16      # + any trainer flag
-    python benchmarks/throughput.py --smoke                                             # tiny run: checks the schema
+    python benchmarks/throughput.py --smoke                                             # tiny run: what the tests run
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/throughput.py \\
         --smoke --parallelism.expert_parallel_degree 2                                  # 2 gloo ranks, EP 2
 
@@ -110,7 +110,7 @@ from trainer.config import run_with_config_errors  # noqa: E402
 
 SMOKE_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
                 "--training.local_batch_size", "2", "--memory.track", "exact"]
-# --smoke: the debug flavor cut to 2 layers at width 64, so the schema check takes seconds on a busy machine
+# --smoke: the debug flavor cut to 2 layers at width 64, so the tests' run takes seconds on a busy machine
 SMOKE_ARGS = dict(n_layers=2, dim=64, inter_dim=128, moe_inter_dim=32, n_heads=2, kv_lora_rank=16,
                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")

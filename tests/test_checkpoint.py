@@ -135,10 +135,19 @@ def test_interrupted_save_is_never_picked_and_keep_latest_k(tmp_path, caplog):
 
 
 def test_model_only_last_save_in_bf16(tmp_path):
-    run(_cfg(tmp_path, "--training.steps", "2", "--checkpoint.last_save_model_only", "true",
-             "--checkpoint.export_dtype", "bfloat16"))
-    sd = _model_tensors(tmp_path / "checkpoint" / "step-2", tmp_path)
-    assert all(v.dtype == torch.bfloat16 for v in sd.values())
+    """The model-only export holds the model alone, every tensor the full checkpoint's fp32 one cast to bf16 (the
+    runs are deterministic, so both trained the same weights)."""
+    for name, only in (("export", "true"), ("full", "false")):
+        run(_cfg(tmp_path / name, "--training.steps", "2", "--checkpoint.last_save_model_only", only,
+                 "--checkpoint.export_dtype", "bfloat16"))
+    export, full = (tmp_path / name / "out.pt" for name in ("export", "full"))
+    dcp_to_torch_save(str(tmp_path / "export" / "checkpoint" / "step-2"), str(export))
+    dcp_to_torch_save(str(tmp_path / "full" / "checkpoint" / "step-2"), str(full))
+    export, full = torch.load(export, weights_only=False), torch.load(full, weights_only=False)
+    assert list(export) == ["model"] and "optimizer" in full
+    assert export["model"].keys() == full["model"].keys() and any(k.endswith("moe.expert_bias") for k in full["model"])
+    for key, want in full["model"].items():
+        assert want.dtype == torch.float32 and torch.equal(export["model"][key], want.to(torch.bfloat16)), key
 
 
 def test_initial_load_from_native_checkpoint(tmp_path):

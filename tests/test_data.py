@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from trainer.config import DatasetSection, load_config
-from trainer.data import DatasetError, HeldOutDocuments, ListDocuments, PackedDataLoader, build_dataloader, load_documents
+from trainer.data import (DatasetError, HeldOutDocuments, ListDocuments, PackedDataLoader, build_dataloader,
+                          load_documents)
 from trainer.loss import IGNORE_INDEX, count_valid_tokens
 from trainer.tokenizer import build_tokenizer
 

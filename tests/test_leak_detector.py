@@ -2,8 +2,8 @@
 
 Synthetic series pin down the algorithm (robust slope, one alarm, level shifts vs. leaks, periodic growth);
 then leaks are injected into real training runs of a small DeepSeek-V3 (the debug flavor cut to one dense and
-one MoE layer at width 64, about 0.1 s per step with exact tracking) and the detector, with its default window
-and warm-up, must fire on each, and never on a clean 50-step run with validation.
+one MoE layer at width 64, so that steps are quick even with exact tracking) and the detector, with its default
+window and warm-up, must fire on each, and never on a clean 50-step run with validation.
 """
 
 import json
@@ -136,7 +136,7 @@ def test_from_config_defaults_and_switches():
 @pytest.fixture(autouse=True)
 def _one_thread():
     # The small model's ops are tiny: a second intra-op thread only adds synchronisation, which on a busy
-    # 2-core machine made steps up to 5x slower.
+    # 2-core machine made steps several times slower.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -3,23 +3,27 @@ would choose) and `benchmarks/scaling.py --smoke` (independent processes, then t
 EP 2) run and print the documented schema; the CUDA kernel classifier and the GPU time split of
 `benchmarks/common.py` against recorded kernel names and hand-made intervals.
 
-Of the reports only keys, types and relations are checked, never timings or ratios: the numbers depend on the
+Of the reports, the run each describes (degrees, batch, steps) and every derived number (tokens/s, TFLOP/s, MFU,
+shares, budget) recomputed from its raw timings are checked; the timings themselves never are: they depend on the
 machine and on what else runs on it.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks.common import KERNEL_CATEGORIES, busy_seconds, gpu_time_split, kernel_category
+from models.deepseek_v3.flops import attention_flops_per_token
 
 REPO = Path(__file__).resolve().parent.parent
-MACHINE_KEYS = {"cpu", "cores", "torch_threads", "torch", "load_average_before", "load_average_after", "gpu"}
+PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")
 
 
 def _run_json(script: str, timeout: float) -> dict:
@@ -30,64 +34,65 @@ def _run_json(script: str, timeout: float) -> dict:
 
 
 def check_throughput_report(report: dict, world_size: int, ep: int, memory_track: str) -> None:
-    """The schema of one throughput.py --smoke report (of rank 0 under torchrun)."""
-    assert set(report) == {"machine", "config", "tokens_per_s", "aggregate_tokens_per_s", "rank_step_time_s",
-                           "step_time_s", "model_tflops", "peak_tflops", "gemm_peak_tflops", "mfu",
-                           "peak_memory_bytes", "allocator", "time_split_s", "time_split_share", "gpu_time_split",
-                           "time_budget", "top_ops"}
-    assert MACHINE_KEYS <= set(report["machine"])
+    """One throughput.py --smoke report (of rank 0 under torchrun): the run it describes and its derived numbers
+    recomputed from its raw timings (the definitions in the benchmark's docstring)."""
     config = report["config"]
     cuda = config["device"].startswith("cuda")
     assert (report["machine"]["gpu"] is not None) is cuda
     assert config["gemm_n"] == 512 and config["n_layers"] == 2 and config["params"] > 0
-    assert set(report["gemm_peak_tflops"]) == {"bfloat16", "float32"}
-    assert report["peak_tflops"] == report["gemm_peak_tflops"][config["dtype"]]
-    if cuda:  # the allocator's peaks and the kernel split are CUDA's; on CPU they are not measured: null
-        check_gpu_time_split(report["gpu_time_split"])
-        assert 0 < report["allocator"]["peak_allocated_bytes"] <= report["allocator"]["peak_reserved_bytes"]
-    else:
-        assert report["gpu_time_split"] is None and report["allocator"] is None
     assert config["single_process"] is (world_size == 1)
     assert config["world_size"] == world_size
     assert config["parallel_degrees"] == {"dp_replicate": 1, "dp_shard": world_size, "ep": ep, "pp": 1}
     assert (config["steps"], config["warmup"], config["batch"], config["seq_len"]) == (2, 1, 2, 32)
     assert config["memory_track"] == memory_track
-    for key in ("tokens_per_s", "aggregate_tokens_per_s", "model_tflops", "peak_tflops", "mfu"):
-        assert isinstance(report[key], float) and report[key] > 0, key
+    if cuda:  # the allocator's peaks and the kernel split are CUDA's; on CPU they are not measured: null
+        check_gpu_time_split(report["gpu_time_split"])
+        assert 0 < report["allocator"]["peak_allocated_bytes"] <= report["allocator"]["peak_reserved_bytes"]
+    else:
+        assert report["gpu_time_split"] is None and report["allocator"] is None
+
     steps = report["step_time_s"]
-    assert set(steps) == {"median", "min", "max", "all"} and len(steps["all"]) == 2
-    assert all(isinstance(t, float) for t in steps["all"])
+    times = steps["all"]
+    assert len(times) == 2 and min(times) > 0
+    assert (steps["median"], steps["min"], steps["max"]) == (statistics.median(times), min(times), max(times))
     ranks = report["rank_step_time_s"]
-    assert len(ranks) == world_size and all(isinstance(t, float) for t in ranks)
-    assert ranks[0] == steps["median"]  # rank 0's own median comes first
-    phases = {"data", "forward", "backward", "optimizer", "communication", "other"}
-    assert set(report["time_split_s"]) == phases == set(report["time_split_share"])
-    assert all(isinstance(v, float) and v >= 0 for v in report["time_split_s"].values())
-    assert report["time_split_s"]["forward"] > 0 and report["time_split_s"]["backward"] > 0
-    assert abs(sum(report["time_split_share"].values()) - 1) < 1e-6
-    assert report["top_ops"] and all(set(op) == {"name", "self_cpu_ms", "count"} for op in report["top_ops"])
+    assert len(ranks) == world_size and ranks[0] == steps["median"]  # rank 0's own median comes first
+    tokens_per_step = config["batch"] * config["seq_len"]  # global batch -1: no accumulation
+    assert report["tokens_per_s"] == pytest.approx(tokens_per_step / steps["median"])
+    assert report["aggregate_tokens_per_s"] == pytest.approx(sum(tokens_per_step / t for t in ranks))
+    assert report["model_tflops"] == pytest.approx(report["tokens_per_s"] * config["flops_per_token"] / 1e12)
+    assert min(report["gemm_peak_tflops"][d] for d in ("bfloat16", "float32")) > 0
+    assert report["peak_tflops"] == report["gemm_peak_tflops"][config["dtype"]]
+    assert report["mfu"] == pytest.approx(report["model_tflops"] / report["peak_tflops"])
+
+    split, share = report["time_split_s"], report["time_split_share"]
+    assert sorted(split) == sorted(PHASES) and min(split.values()) >= 0
+    assert split["forward"] > 0 and split["backward"] > 0
+    assert share == pytest.approx({k: v / sum(split.values()) for k, v in split.items()})
+    assert report["top_ops"] and all(op["self_cpu_ms"] >= 0 and op["count"] > 0 for op in report["top_ops"])
     budget = report["time_budget"]
-    assert set(budget) == {"matmul", "attention", "rest_s", "step_at_peak_s", "profiled_step_s"}
     for kind in ("matmul", "attention"):
-        assert set(budget[kind]) == {"measured_s", "at_peak_s", "efficiency"}
-        assert budget[kind]["at_peak_s"] > 0, kind
+        b = budget[kind]
+        assert b["at_peak_s"] > 0, kind
+        assert b["efficiency"] == (pytest.approx(b["at_peak_s"] / b["measured_s"]) if b["measured_s"] else None)
     assert budget["matmul"]["measured_s"] > 0
     # on CUDA the smoke model's tiny fp32 attention may run SDPA's math path, whose kernels are GEMMs and softmax
     assert budget["attention"]["measured_s"] > 0 or cuda
     assert budget["step_at_peak_s"] == pytest.approx(budget["matmul"]["at_peak_s"] + budget["attention"]["at_peak_s"])
+    assert budget["rest_s"] == pytest.approx(
+        budget["profiled_step_s"] - budget["matmul"]["measured_s"] - budget["attention"]["measured_s"])
     assert 0 <= budget["rest_s"] < budget["profiled_step_s"]
 
 
 def check_gpu_time_split(split: dict) -> None:
-    """The schema of gpu_time_split (CUDA runs)."""
-    assert set(split) == {"step_s", "busy_s", "idle_s", "kernel_s", "share_of_step", "kernels", "top_kernels",
-                          "phase_kernel_s"}
+    """gpu_time_split (CUDA runs): busy + idle is the step, the shares are the times over the step."""
     phases = split["phase_kernel_s"]
     assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
-    assert set(split["kernel_s"]) == set(KERNEL_CATEGORIES)
-    assert set(split["share_of_step"]) == set(KERNEL_CATEGORIES) | {"idle"}
+    assert sorted(split["kernel_s"]) == sorted(KERNEL_CATEGORIES)
     assert 0 < split["busy_s"] <= split["step_s"] and split["idle_s"] == pytest.approx(
         split["step_s"] - split["busy_s"])
+    assert split["share_of_step"] == pytest.approx(
+        {**{k: v / split["step_s"] for k, v in split["kernel_s"].items()}, "idle": split["idle_s"] / split["step_s"]})
     assert split["kernel_s"]["gemm"] + split["kernel_s"]["grouped_gemm"] > 0 and split["kernels"] > 0
 
 
@@ -217,8 +222,6 @@ def test_step_window_and_device_kernels_from_a_profile():
 
 def _event(name, start_us, end_us, device="cpu", thread=1, parent=None, kernels=(), annotation=False):
     """A stand-in for the profiler's FunctionEvent with the fields the benchmark reads."""
-    from types import SimpleNamespace
-
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import Interval, Kernel
 
@@ -260,8 +263,10 @@ def test_smoke_report_schema():
     report = _run_json("benchmarks/throughput.py", timeout=120)
     check_throughput_report(report, world_size=1, ep=1, memory_track="exact")
     assert report["aggregate_tokens_per_s"] == report["tokens_per_s"]  # one process: the job is this rank
-    # the smoke run tracks memory exactly, so the trainer's peak is reported
-    assert isinstance(report["peak_memory_bytes"], int) and report["peak_memory_bytes"] > 0
+    # the smoke run tracks memory exactly, so the trainer's peak is reported: at least the fp32 parameters, their
+    # gradients and AdamW's two states, all alive in the optimizer step
+    assert isinstance(report["peak_memory_bytes"], int)
+    assert report["peak_memory_bytes"] >= 4 * 4 * report["config"]["params"]
     assert report["time_split_s"]["communication"] == 0.0  # one process: no collectives
 
 
@@ -270,15 +275,20 @@ def test_attention_kernels_smoke_runs_every_variant_or_says_why(capsys):
 
     report = attention_kernels.main(["--smoke"])
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(report))
-    results = report["results"]
+    c, results = report["config"], report["results"]
+    # the trainer's count of causal attention FLOPs, for one layer over batch x seq tokens
+    shape = SimpleNamespace(n_heads=c["heads"], qk_head_dim=c["qk_head_dim"], v_head_dim=c["v_head_dim"],
+                            n_layers=1, num_mtp_layers=0)
+    assert c["flops"] == attention_flops_per_token(shape, c["seq"]) * c["batch"] * c["seq"]
     assert set(results) == {"model"} | {f"{layout}/{b}" for layout in ("unequal", "padded")
                                          for b in attention_kernels.BACKENDS}
     for name, r in results.items():
         if "error" in r:
             assert set(r) == {"error"} and r["error"], name
             continue
-        assert set(r) == {"forward_ms", "forward_backward_ms", "tflops", "peak_bytes", "max_abs_error"}, name
-        assert r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 and r["tflops"] > 0, name
+        assert r["forward_ms"] > 0 and r["forward_backward_ms"] > 0, name
+        assert r["tflops"] == pytest.approx(c["flops"] / (r["forward_backward_ms"] / 1e3) / 1e12), name
+        assert (r["peak_bytes"] is None) is c["device"].startswith("cpu"), name
         # bf16 against the fp64 reference: output and all three input gradients
         assert r["max_abs_error"] < 3e-2, (name, r)
     # the model's own path and the math kernel run on every device; flash never takes v as it is
@@ -296,26 +306,27 @@ def test_bad_flag_is_one_line_and_exit_2():
 
 
 @pytest.mark.slow
-def test_scaling_smoke_report_schema():
-    """One torchrun launch (2 ranks, EP 2) after 2 concurrent single-process runs."""
+def test_scaling_smoke_report_against_its_runs():
+    """One torchrun launch (2 ranks, EP 2) after 2 concurrent single-process runs: each run's report is checked
+    as above, and the summary is recomputed from them."""
     report = _run_json("benchmarks/scaling.py", timeout=300)
-    assert set(report) == {"machine", "config", "independent", "expert_parallel", "ratio"}
-    assert MACHINE_KEYS <= set(report["machine"])
     assert report["config"]["nproc"] == 2 and report["config"]["memory_track"] == "off"
-    assert {"model", "dtype", "batch", "seq_len", "steps", "warmup", "threads_per_process", "args"} <= set(
-        report["config"])
     independent, ep = report["independent"], report["expert_parallel"]
-    assert set(independent) == {"aggregate_tokens_per_s", "tokens_per_s", "step_time_s", "reports"}
-    assert len(independent["tokens_per_s"]) == len(independent["step_time_s"]) == len(independent["reports"]) == 2
-    for run in independent["reports"]:
+    runs = independent["reports"]
+    assert len(runs) == 2
+    for run in runs:
         check_throughput_report(run, world_size=1, ep=1, memory_track="off")
         assert run["time_split_s"]["communication"] == 0.0
-    assert set(ep) == {"aggregate_tokens_per_s", "tokens_per_s", "step_time_s", "communication_s",
-                       "communication_share", "report"}
+    assert independent["tokens_per_s"] == [r["tokens_per_s"] for r in runs]
+    assert independent["step_time_s"] == [r["step_time_s"]["median"] for r in runs]
+    assert independent["aggregate_tokens_per_s"] == pytest.approx(sum(independent["tokens_per_s"]))
     check_throughput_report(ep["report"], world_size=2, ep=2, memory_track="off")
     assert ep["report"]["peak_memory_bytes"] is None  # memory.track off
-    assert len(ep["step_time_s"]) == 2
-    # the EP all-to-all and FSDP collectives are seen by the profiler (a schema check: any time > 0)
-    assert ep["communication_s"] > 0 and 0 < ep["communication_share"] < 1
-    assert all(isinstance(v, float) for v in (independent["aggregate_tokens_per_s"], ep["aggregate_tokens_per_s"],
-                                              ep["tokens_per_s"], report["ratio"]))
+    assert ep["step_time_s"] == ep["report"]["rank_step_time_s"]
+    assert (ep["tokens_per_s"], ep["aggregate_tokens_per_s"]) == (ep["report"]["tokens_per_s"],
+                                                                   ep["report"]["aggregate_tokens_per_s"])
+    # the EP all-to-all and FSDP collectives are seen by the profiler
+    split = ep["report"]["time_split_s"]
+    assert ep["communication_s"] == split["communication"] > 0
+    assert ep["communication_share"] == pytest.approx(split["communication"] / sum(split.values()))
+    assert report["ratio"] == pytest.approx(ep["aggregate_tokens_per_s"] / independent["aggregate_tokens_per_s"])

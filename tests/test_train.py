@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer import preflight
-from trainer.config import load_config, run_with_config_errors
+from trainer.config import config_to_toml, load_config, run_with_config_errors
 from trainer.metrics import read_scalars, run_dirs
 from trainer.train import Trainer, prepare, run
 
@@ -99,7 +99,8 @@ def test_compile_is_announced_with_an_estimate_before_the_first_step(tmp_path, c
 def test_deterministic_runs_are_bit_identical(tmp_path):
     args = ("--training.deterministic", "true", "--training.steps", "3", "--validation.enable", "false",
             "--memory.track", "off", "--metrics.enable_tensorboard", "false")
-    assert run(_cfg(tmp_path / "a", *args)) == run(_cfg(tmp_path / "b", *args))
+    first = run(_cfg(tmp_path / "a", *args))
+    assert len(first) == 3 and first == run(_cfg(tmp_path / "b", *args))
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
@@ -135,9 +136,13 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, key)
 
 
 def test_print_config_prints_merged_toml():
-    r = _cli(["--job.config_file", "train_configs/debug_model.toml", "--training.steps", "7",
-              "--job.print_config", "true"])
-    assert r.returncode == 0 and "steps = 7" in r.stdout and 'flavor = "debugmodel"' in r.stdout
+    """The entry point prints the merged config (the TOML that reads back to it, see tests/test_config.py) and
+    nothing else: no training."""
+    args = ["--job.config_file", "train_configs/debug_model.toml", "--training.steps", "7"]
+    r = _cli(args + ["--job.print_config", "true"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == config_to_toml(load_config(args))
+    assert "steps = 7" in r.stdout.splitlines() and 'flavor = "debugmodel"' in r.stdout.splitlines()
 
 
 def test_print_config_runs_the_checks_of_a_launch(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """Train a byte-level BPE and write it as a tiktoken rank file (pure Python; only needs `regex`).
 
-The shipped tokenizer was made with (about 0.2 s: the corpus has only ~6500 distinct words):
+The shipped tokenizer was made with (quick: the corpus has only ~6500 distinct words; timing in docs/data.md):
 
     python tools/train_bpe.py --input assets/data/pydoc_corpus.jsonl \\
         --ranks 2046 --output assets/tokenizer/pydoc_bpe.tiktoken

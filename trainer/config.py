@@ -182,8 +182,8 @@ class OptimizerSection:
     weight_decay: float = _opt(0.1, ge=0)
     """Decoupled weight decay coefficient."""
     implementation: str = _opt("fused", choices=["foreach", "for-loop", "fused"])
-    """Kernel strategy of the optimizer step: fused (one kernel per tensor, no step-wide temporaries; 4.4x faster
-    than foreach on the CPU debug model), multi-tensor foreach, or one tensor at a time."""
+    """Kernel strategy of the optimizer step: fused (one kernel per tensor, no step-wide temporaries; faster than
+    foreach, see docs/performance.md), multi-tensor foreach, or one tensor at a time."""
     max_group_bytes: int = _opt(0, ge=0)
     """0 = step all parameters at once; >0 = tiled step over parameter groups of at most this many bytes,
     which caps the temporary memory of the foreach kernels (fused and for-loop have none to cap)."""

@@ -100,9 +100,9 @@ class _ForwardOnlyModTracker(ModTracker):
     """ModTracker without its backward hooks.
 
     Stock ModTracker registers a multi-grad hook on every module's inputs and outputs in every forward; in torch
-    2.13 those hooks keep host memory alive (about 80 MiB per step on the debug model: process RSS grows while
-    tensor memory stays flat). The memory totals do not need them (backward is detected from the autograd
-    engine), so only the per-module backward statistics are given up.
+    2.13 those hooks keep host memory alive (process RSS grows every step while tensor memory stays flat; measured
+    in docs/memory.md, "Host memory under exact tracking"). The memory totals do not need them (backward is
+    detected from the autograd engine), so only the per-module backward statistics are given up.
     """
 
     def _fw_pre_hook(self, mod, input):
@@ -220,13 +220,9 @@ class MemoryMonitor:
         ``"off"``: no tensor memory is measured; only the process RSS is (it costs nothing).
     In every mode the process RSS is read where ``/proc`` exists; fields that were not measured are ``None``.
 
-    Overhead of exact tracking: every aten op (and every storage it creates) goes through Python, about 0.05-0.07 ms
-    per op on the 2-core dev machine with ``torch.set_num_threads(1)``. Measured on an MLP training step (3 linear
-    layers, batch 64, AdamW, 111 aten ops per step), median step time with ``mode="off"`` vs ``"exact"``:
-    hidden width 1024: 9.1 ms vs 16.6 ms (1.8x); hidden width 64: 0.75 ms vs 6.7 ms (9x). The debug model
-    (``train_configs/debug_model.toml``, one CPU process) ran at about 560 tok/s exact vs 830-1030 tok/s off
-    (about 1.6x). The cost is per op, not per byte, so larger per-op work hides it while many tiny ops magnify
-    it; use ``"off"`` for benchmarking.
+    Overhead of exact tracking: every aten op (and every storage it creates) goes through Python. The cost is per
+    op, not per byte, so larger per-op work hides it while many tiny ops magnify it (measured in docs/memory.md,
+    "What is measured, and how"); use ``"off"`` for benchmarking.
 
     Limitations of exact mode:
         * ``torch.compile``: dynamo does not run compiled code while a dispatch mode is active; the model runs
@@ -488,10 +484,10 @@ class MemorySnapshots:
 
     On CUDA a snapshot is the caching allocator's state (``torch.cuda.memory._snapshot()``) as a pickle that
     pytorch.org/memory_viz opens; with ``freq > 0`` the allocator also records every allocation and free with
-    its stack trace from ``__enter__`` on (about 2 us per allocation), so the snapshots show where each block
-    came from, and an OOM snapshot shows the allocations that led up to it. With ``freq == 0`` nothing is
-    recorded and an OOM snapshot shows the allocator's blocks only. In exact mode a ``.json`` table
-    (``MemoryMonitor.dump_table``) is written next to it; on CPU the table is the snapshot.
+    its stack trace from ``__enter__`` on (a small cost per allocation, see docs/memory.md, "Snapshots"), so the
+    snapshots show where each block came from, and an OOM snapshot shows the allocations that led up to it. With
+    ``freq == 0`` nothing is recorded and an OOM snapshot shows the allocator's blocks only. In exact mode a
+    ``.json`` table (``MemoryMonitor.dump_table``) is written next to it; on CPU the table is the snapshot.
 
     Files are named ``rank<r>_step<step>_<reason>.{pickle,json}`` with reason ``periodic``, ``leak`` or ``oom``.
     Use it as a context manager around the loop (inside or outside the monitor's ``with``), call ``step_end``

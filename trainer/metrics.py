@@ -60,7 +60,8 @@ class MetricLogger:
             self.log_dir = os.path.join(log_dir, f"rank_{rank}") if save_for_all_ranks else log_dir
         self._writer: Any = None
         if self.log_dir is not None:
-            # Imported here: it takes about 1.7 s, which runs without tensorboard should not pay.
+            # Imported here: the import costs time (docs/performance.md, "Start-up costs") that runs without
+            # tensorboard should not pay.
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(self.log_dir)
