@@ -32,8 +32,8 @@ from parallelisms.torch_compat import torch_at_least
 __all__ = ["SECONDS_PER_GRAPH", "CompileUnit", "apply_compile", "compile_loss", "compiled_modules", "first_compile"]
 
 SECONDS_PER_GRAPH = 15
-"""Cold compile time of one graph (forward + backward), measured on the 2-core CPU dev machine: 35-45 s for the
-debug model's three graphs (docs/compile.md). Only for the estimate the trainer logs before the first step."""
+"""Cold compile time of one graph (forward + backward) on the 2-core CPU dev machine, from the measurement in
+docs/compile.md ("Measured gains"). Only for the estimate the trainer logs before the first step."""
 
 logger = logging.getLogger(__name__)
 

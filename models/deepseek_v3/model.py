@@ -140,9 +140,9 @@ def attention(q_BHSd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSv: torch.Tensor, 
 
     CPU's only fused kernel (flash) needs v's head dim to equal q/k's (192 vs 128 here), so SDPA falls back to the
     math kernel, which computes and stores the whole score matrix, masked half included. In bf16/fp16, padding v
-    with zeros to q/k's dim and slicing the output is exact and runs the flash kernel, which skips masked blocks:
-    1.6x faster forward + backward at the debug shapes (B4 H16 S256). In fp32 the CPU flash backward is slower
-    than the math one (64 vs 51 ms there), so fp32 keeps the math kernel; on CUDA SDPA has kernels for unequal
+    with zeros to q/k's dim and slicing the output is exact and runs the flash kernel, which skips masked blocks
+    and is faster at the debug shapes; in fp32 the CPU flash backward is slower than the math one, so fp32 keeps
+    the math kernel (both measured in docs/performance.md, "Results"); on CUDA SDPA has kernels for unequal
     dims and gets the tensors as they are.
     """
     if mask is not None:

@@ -126,7 +126,8 @@ class GroupedExperts(nn.Module):
         return _experts_loop(x_ND, w1, w2, w3, counts_E)
 
 
-# oneDNN builds (JIT-compiles) a bf16/fp16 CPU GEMM kernel for every new row count, about 1 ms each, then caches it;
+# oneDNN builds (JIT-compiles) a bf16/fp16 CPU GEMM kernel for every new row count, then caches it
+# (the cost is in docs/performance.md, "MoE layer vs the FLOPs-equivalent dense FFN");
 # routing changes every expert's row count at every step, so there the groups are padded with zero rows to a
 # multiple of this: the row counts take few distinct values and hit the cache. fp32 GEMMs have no such cost.
 _CPU_GROUP_ALIGN = 32
