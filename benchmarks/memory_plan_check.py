@@ -165,8 +165,10 @@ def run_check(smoke: bool = False, steps: int = 3) -> list[dict]:
 def main(argv: list[str]) -> None:
     """CLI; exits 1 when a row is outside the tolerance."""
     if argv[:1] == ["--worker"]:
+        from trainer import device as devices
+
         _worker(argv[1], argv[2])
-        return
+        devices.end_process(0)  # the process group may outlive its shutdown (see there)
     steps = int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 3
     rows = run_check(smoke="--smoke" in argv, steps=steps)
     # rows the trainer could not run (within_15pct None) are reported, not counted as misses

@@ -435,4 +435,7 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
+    from trainer import device as devices
+
     run_with_config_errors(main)  # a bad config or flag: one line, exit code 2
+    devices.end_process(0)  # the process group may outlive its shutdown (see there)

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import sys
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,19 +53,25 @@ KEYS = ("loss", "grad_norm", "validation/loss")
 @contextlib.contextmanager
 def worker_session(jobs_path: str, out_path: str, timeout_s: float = 120):
     """Inside a torchrun worker: join the process group, load the jobs, yield (jobs, results); whatever happens,
-    rank 0 writes `results` as JSON and the process group is destroyed."""
+    rank 0 writes `results` as JSON, the process group is destroyed and the process ends (`devices.end_process`:
+    exit 0, or 1 after printing the traceback). Nothing after the `with` block runs."""
     torch.set_num_threads(1)
     devices.init_distributed(timeout_s=timeout_s)
     with open(jobs_path) as f:
         jobs = json.load(f)
     results: dict = {}
+    code = 1
     try:
         yield jobs, results
+        code = 0
+    except BaseException:
+        traceback.print_exc()
     finally:
         if dist.get_rank() == 0:
             with open(out_path, "w") as f:
                 json.dump(results, f)
         devices.shutdown_distributed()
+        devices.end_process(code)
 
 
 def main(jobs_path: str, out_path: str) -> None:

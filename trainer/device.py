@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -32,8 +35,12 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
+_started_group = False  # this process created a process group (end_process then skips the interpreter teardown)
+
+
 def init_distributed(timeout_s: float = 300.0) -> torch.device:
     """Bind this process to its device and, under torchrun, create the default process group."""
+    global _started_group
     device = local_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -45,6 +52,7 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
         store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group(backend(), store=store, rank=rank_, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
+        _started_group = True
     return device
 
 
@@ -56,3 +64,21 @@ def shutdown_distributed() -> None:
     """Destroy the default process group if there is one (safe to call twice)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit with `code`. In a process that created a process group, flush the logs and the standard streams and
+    end with `os._exit`, without the interpreter's teardown; call it once everything is closed.
+
+    Why: once a functional collective ran on a group (DTensor redistribution: gradient-norm clipping under FSDP2,
+    EP), torch keeps that group alive after `destroy_process_group` (torch 2.13, gloo: its 12 worker threads of 4
+    groups still run; docs/torch_versions.md). The interpreter's teardown then races those threads, and now and
+    then a finished run died with SIGABRT ("terminate called without an active exception"), which torchrun
+    reports as a failed run.
+    """
+    if not _started_group:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

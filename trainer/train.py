@@ -522,18 +522,25 @@ def _main(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point: config errors exit 2 with one line; Ctrl-C exits 130 after a clean shutdown."""
+    """Command-line entry point: config errors exit 2 with one line; Ctrl-C exits 130 after a clean shutdown.
+
+    The process ends through `devices.end_process` (a process group may outlive its shutdown, see there).
+    """
+    code = 0
     try:
         run_with_config_errors(_main, sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        code = 130
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
     except (TrainingError, MemoryLeakError) as e:
         print(f"training error: {e}", file=sys.stderr)
-        sys.exit(1)
+        code = 1
+    devices.end_process(code)
 
 
 if __name__ == "__main__":
