@@ -132,8 +132,7 @@ def run_variant(config_args: list[str], dtype: str, compiled: bool, steps: int, 
     torch.manual_seed(cfg.training.seed)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
-    for moe in model.moe_layers():
-        moe.aux_loss_coeff = cfg.moe.aux_loss_coeff
+    spec.configure_model(model, cfg)
     compile_model(model, cfg.compile)
     model.to_empty(device="cpu")
     model.init_weights(seed=cfg.training.seed)
@@ -146,8 +145,7 @@ def run_variant(config_args: list[str], dtype: str, compiled: bool, steps: int, 
 
     def step() -> None:
         tokens = torch.randint(0, model_args.vocab_size, (batch, seq + 1), generator=data)
-        for moe in model.moe_layers():
-            moe.aux_loss_grad_scale = 1.0 / (batch * seq)
+        spec.before_step([model], batch * seq)
         with autocast:
             out = model(tokens[:, :-1])
         loss = loss_fn(out, tokens[:, 1:]) / (batch * seq)
