@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("trainer", "parallelisms", "models")
 
 #: Files of a model family that wire the model to the trainer and the parallelisms by design: the package's
-#: `ModelSpec` registration (`__init__.py`) and its parallelize plan. Every other model module is model code.
-MODEL_ADAPTERS = ("__init__.py", "parallelize.py")
+#: `ModelSpec` registration (`__init__.py`), its parallelize plan, its pipeline split and its memory plan's
+#: tensors. Every other model module is model code.
+MODEL_ADAPTERS = ("__init__.py", "parallelize.py", "pipeline.py", "memory_plan.py")
 
 #: Imports that break a rule today, each with the reason; the test also fails when one of them is gone, so that
 #: the list only shrinks. parallel_dims raises the config's one-line ConfigError, which lives in trainer/config.py
