@@ -43,7 +43,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from parallelisms.activation_checkpoint import RECOMPUTE_MODULES, OP_TABLE, OpCounter, apply_ac  # noqa: E402
-from trainer.config import ActivationCheckpointSection, JobConfig, load_config  # noqa: E402
+from parallelisms.activation_checkpoint import ActivationCheckpointSection  # noqa: E402
+from trainer.job_config import JobConfig, load_config  # noqa: E402
 from trainer.registry import get_model_spec  # noqa: E402
 
 DEFAULT_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "256",

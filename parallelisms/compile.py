@@ -31,13 +31,35 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from trainer.config import ConfigError, option
 from trainer.torch_compat import torch_at_least
+
+
+@dataclass
+class CompileSection:
+    """torch.compile."""
+
+    enable: bool = False
+    """Compile the components listed in components."""
+    components: list[str] = option(["model", "loss"], item_choices=["model", "loss"])
+    """What to compile: the transformer blocks (model) and/or the loss."""
+    backend: str = "inductor"
+    """torch.compile backend."""
+
+    def check(self) -> list[ConfigError]:
+        """Settings of this section that contradict each other."""
+        if self.enable and not self.components:
+            return [ConfigError("components", "empty while compile.enable is true, so nothing would compile",
+                                "model, loss")]
+        return []
+
 
 __all__ = ["SECONDS_PER_GRAPH", "apply_compile", "compile_loss", "compiled_modules", "first_compile"]
 

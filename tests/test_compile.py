@@ -29,7 +29,8 @@ from models.deepseek_v3.model import DeepSeekV3Model
 from models.deepseek_v3.moe import update_expert_bias
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile, compile_loss, compiled_modules
-from trainer.config import ActivationCheckpointSection, CompileSection
+from parallelisms.activation_checkpoint import ActivationCheckpointSection
+from parallelisms.compile import CompileSection
 from trainer.loss import IGNORE_INDEX, count_valid_tokens, cross_entropy_sum
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -237,7 +238,7 @@ def _worker(jobs_path: str, out_path: str) -> None:
     import torch.distributed as dist
     from dist_worker import worker_session
 
-    from trainer.config import load_config
+    from trainer.job_config import load_config
     from trainer.train import Trainer, run
 
     current: dict = {}

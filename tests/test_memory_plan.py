@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from trainer.config import load_config
+from trainer.job_config import load_config
 from trainer.memory_plan import plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from trainer import preflight
-from trainer.config import load_config, run_with_config_errors
+from trainer.config import run_with_config_errors
+from trainer.job_config import load_config
 from trainer.metrics import read_scalars, run_dirs
 from trainer.train import Trainer, prepare, run
 

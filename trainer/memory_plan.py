@@ -29,7 +29,8 @@ import re
 import sys
 
 from parallelisms.dry_run import report
-from trainer.config import load_config, run_with_config_errors, validate_job
+from trainer.config import run_with_config_errors
+from trainer.job_config import load_config, validate_job
 from trainer.loss import chunk_rows
 
 __all__ = ["plan", "block_items", "main"]
