@@ -119,7 +119,7 @@ def run_variant(config_args: list[str], dtype: str, compiled: bool, steps: int, 
 
     from models.deepseek_v3.parallelize import compile_model
     from parallelisms.compile import compile_loss
-    from trainer.config import load_config
+    from trainer.job_config import load_config
     from trainer.optimizer import build_optimizer
     from trainer.registry import get_model_spec
 
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
         config_args += SMOKE_CONFIG
         args.steps, args.warmup, dtypes = 1, 1, ["float32"]
     report = {"machine": machine_info(), "config": {}, "variants": [], "gains": {}}
-    from trainer.config import load_config
+    from trainer.job_config import load_config
 
     cfg = load_config(config_args)
     report["config"] = {"model": "smoke" if args.smoke else f"{cfg.model.name}/{cfg.model.flavor}",

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from trainer import preflight
-from trainer.config import ConfigError, config_to_toml, load_config, run_with_config_errors
+from trainer.config import ConfigError, config_to_toml, run_with_config_errors
+from trainer.job_config import load_config
 from trainer.metrics import read_scalars, run_dirs
 from trainer.registry import get_model_spec, register_model_spec
 from trainer.train import Trainer, prepare, run

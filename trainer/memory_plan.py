@@ -32,8 +32,9 @@ import json
 import sys
 
 from parallelisms.pipeline import plan_stages
-from trainer.config import ConfigError, load_config, run_with_config_errors, validate_job
+from trainer.config import ConfigError, run_with_config_errors
 from trainer.dry_run import report
+from trainer.job_config import load_config, validate_job
 from trainer.loss import chunk_rows
 from trainer.registry import get_model_spec
 

@@ -33,7 +33,8 @@ from parallelisms.pipeline import build_pipeline
 from trainer import device as devices
 from trainer.checkpoint import (CheckpointError, CheckpointManager, check_checkpoint, latest_checkpoint,
                                 list_checkpoints)
-from trainer.config import ConfigError, JobConfig, config_to_toml, load_config, run_with_config_errors, validate_job
+from trainer.config import ConfigError, config_to_toml, run_with_config_errors
+from trainer.job_config import JobConfig, load_config, validate_job
 from trainer.data import DatasetError, build_dataloader, has_documents
 from trainer.loss import ScaledLoss, count_valid_tokens
 from trainer.lr_schedule import build_lr_scheduler
