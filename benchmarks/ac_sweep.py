@@ -43,8 +43,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.deepseek_v3.parallelize import RECOMPUTE_MODULES, checkpoint_model  # noqa: E402
-from parallelisms.activation_checkpoint import OP_TABLE, OpCounter  # noqa: E402
-from trainer.config import ActivationCheckpointSection, JobConfig, load_config  # noqa: E402
+from parallelisms.activation_checkpoint import OP_TABLE, ActivationCheckpointSection, OpCounter  # noqa: E402
+from trainer.job_config import JobConfig, load_config  # noqa: E402
 from trainer.registry import get_model_spec  # noqa: E402
 
 DEFAULT_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "256",

@@ -119,7 +119,7 @@ def run_variant(config_args: list[str], dtype: str, compiled: bool, steps: int, 
 
     from models.deepseek_v3.parallelize import compile_model
     from parallelisms.compile import compile_loss
-    from trainer.config import load_config
+    from trainer.job_config import load_config
     from trainer.optimizer import build_optimizer
     from trainer.registry import get_model_spec
 
@@ -132,8 +132,7 @@ def run_variant(config_args: list[str], dtype: str, compiled: bool, steps: int, 
     torch.manual_seed(cfg.training.seed)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
-    for moe in model.moe_layers():
-        moe.aux_loss_coeff = cfg.moe.aux_loss_coeff
+    spec.configure_model(model, cfg)
     compile_model(model, cfg.compile)
     model.to_empty(device="cpu")
     model.init_weights(seed=cfg.training.seed)
@@ -146,8 +145,7 @@ def run_variant(config_args: list[str], dtype: str, compiled: bool, steps: int, 
 
     def step() -> None:
         tokens = torch.randint(0, model_args.vocab_size, (batch, seq + 1), generator=data)
-        for moe in model.moe_layers():
-            moe.aux_loss_grad_scale = 1.0 / (batch * seq)
+        spec.before_step([model], batch * seq)
         with autocast:
             out = model(tokens[:, :-1])
         loss = loss_fn(out, tokens[:, 1:]) / (batch * seq)
@@ -226,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
         config_args += SMOKE_CONFIG
         args.steps, args.warmup, dtypes = 1, 1, ["float32"]
     report = {"machine": machine_info(), "config": {}, "variants": [], "gains": {}}
-    from trainer.config import load_config
+    from trainer.job_config import load_config
 
     cfg = load_config(config_args)
     report["config"] = {"model": "smoke" if args.smoke else f"{cfg.model.name}/{cfg.model.flavor}",

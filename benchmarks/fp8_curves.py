@@ -42,7 +42,7 @@ FINAL_WINDOW = 10
 def run_recipe(recipe: str, steps: int, batch: int, seq_len: int, val_steps: int, extra: list[str],
                folder: str) -> dict:
     """Train one recipe; returns its per-step losses, final loss, final validation loss and wall time."""
-    from trainer.config import load_config
+    from trainer.job_config import load_config
     from trainer.train import run
 
     args = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--fp8.recipe", recipe,

@@ -41,7 +41,7 @@ def row_args(ngpu: int, ac: str, batch: int, seq: int, steps: int) -> list[str]:
 
 def predict(ngpu: int, args: list[str]) -> dict:
     """Rank 0's plan (all ranks of this layout hold the same shares; routing is assumed balanced)."""
-    from trainer.config import load_config
+    from trainer.job_config import load_config
     from trainer.memory_plan import plan
 
     return plan(load_config(BASE + args), ngpu)["ranks"][0]
@@ -56,7 +56,7 @@ def measure_in_process(args: list[str], dump: str) -> dict:
     """Train one row in this process (one rank, no process group) and return its peaks."""
     import torch
 
-    from trainer.config import load_config
+    from trainer.job_config import load_config
     from trainer.train import Trainer, prepare
 
     torch.set_num_threads(1)
@@ -102,7 +102,7 @@ def _worker(jobs_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from trainer import device as devices
-    from trainer.config import load_config
+    from trainer.job_config import load_config
     from trainer.train import run
 
     torch.set_num_threads(1)

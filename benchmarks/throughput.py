@@ -253,7 +253,7 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
     import trainer.train as train_module
     from torch.profiler import ProfilerActivity, profile, record_function
     from trainer import device as devices
-    from trainer.config import load_config
+    from trainer.job_config import load_config
     from trainer.train import Trainer, prepare
 
     total = warmup + steps + 1

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.deepseek_v3.args import FLAVORS  # noqa: E402
 from models.deepseek_v3.hf import hf_config_from_args  # noqa: E402
-from trainer.config import load_config  # noqa: E402
+from trainer.job_config import load_config  # noqa: E402
 from trainer.train import Trainer, prepare  # noqa: E402
 
 

@@ -63,7 +63,34 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from models.common.token_dispatch import TokenDispatcher
-from parallelisms.moe_comm.registry import COMM_BACKENDS, on_register
+from parallelisms.moe_comm.registry import COMM_BACKENDS, backend_save_ops, on_register
+from trainer.config import option
+
+
+@dataclasses.dataclass
+class ActivationCheckpointSection:
+    """Activation checkpointing: what to keep from forward and what to recompute in backward."""
+
+    mode: str = option("none", choices=["none", "full", "selective"])
+    """none keeps all activations, full recomputes whole blocks, selective follows the knobs below."""
+    granularity: str = option("op", choices=["op", "layer"])
+    """With selective mode: op saves the outputs of save_ops and recomputes the rest; layer checkpoints
+    every layer_freq-th block fully."""
+    layer_freq: int = option(2, ge=1)
+    """With granularity=layer, checkpoint every n-th block."""
+    save_ops: list[str] = dataclasses.field(default_factory=lambda: [
+        "mm", "grouped_mm", "attention", "all_to_all", "reduce_scatter", "max", "topk", *backend_save_ops(),
+        "d2h_copy"])
+    """Op names whose outputs selective op-level checkpointing saves instead of recomputing (expensive
+    compute, collectives, the registered comm backends' dispatch/combine ops and host copies)."""
+    force_recompute_modules: list[str] = option(["moe.router.gate"])
+    """Module names whose matmuls are recomputed even though mm is in save_ops."""
+    recompute_modules: list[str] = option([])
+    """Megatron-style names of submodules to recompute (e.g. core_attn, moe_act, mla_up_proj)."""
+    early_stop: bool = False
+    """Stop recomputation once every needed tensor is rebuilt; off because it leaked memory together with
+    EP all-to-all (torchtitan #1467)."""
+
 
 __all__ = [
     "COLLECTIVE_OPS",

@@ -28,8 +28,30 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from parallelisms.torch_compat import torch_at_least
+from trainer.config import ConfigError, option
 
-__all__ = ["SECONDS_PER_GRAPH", "CompileUnit", "apply_compile", "compile_loss", "compiled_modules", "first_compile"]
+
+@dataclass
+class CompileSection:
+    """torch.compile."""
+
+    enable: bool = False
+    """Compile the components listed in components."""
+    components: list[str] = option(["model", "loss"], item_choices=["model", "loss"])
+    """What to compile: the transformer blocks (model) and/or the loss."""
+    backend: str = "inductor"
+    """torch.compile backend."""
+
+    def check(self) -> list[ConfigError]:
+        """Settings of this section that contradict each other."""
+        if self.enable and not self.components:
+            return [ConfigError("components", "empty while compile.enable is true, so nothing would compile",
+                                "model, loss")]
+        return []
+
+
+__all__ = ["SECONDS_PER_GRAPH", "CompileSection", "CompileUnit", "apply_compile", "compile_loss", "compiled_modules",
+           "first_compile"]
 
 SECONDS_PER_GRAPH = 15
 """Cold compile time of one graph (forward + backward) on the 2-core CPU dev machine, from the measurement in

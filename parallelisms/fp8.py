@@ -30,14 +30,33 @@ import functools
 import importlib.util
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from models.common.grouped_mm import QUANTIZED_MM
+from trainer.config import option
 
-__all__ = ["BLOCK", "E4M3_MAX", "RECIPES", "Fp8GroupedMM", "Fp8Linear", "apply_fp8", "dequantize",
+
+@dataclass
+class Fp8Section:
+    """FP8 compute for the linears and routed experts of the transformer blocks (docs/fp8.md)."""
+
+    recipe: str = option("none", choices=["none", "rowwise", "blockwise"])
+    """e4m3 inputs for every GEMM of the selected modules: blockwise (DeepSeek-V3: 1x128 activation tiles,
+    128x128 weight blocks) or rowwise (one scale per row; linears via torchao); none = high precision."""
+    modules: list[str] = option(["attention", "feed_forward", "moe.experts", "moe.shared_experts"])
+    """Modules inside the blocks whose linears (and grouped experts) convert: names or dotted parts of their
+    block-relative names (e.g. attention, wo, moe.experts). Router gate, norms, attention core, embedding and
+    output head always stay high precision."""
+    exclude_modules: list[str] = option(["attention.wkv_a"])
+    """Modules left out of modules, same naming (wkv_a's output, kv_lora_rank + qk_rope_head_dim = 576 in the
+    DeepSeek flavors, is not a multiple of 128)."""
+
+
+__all__ = ["BLOCK", "E4M3_MAX", "Fp8Section", "RECIPES", "Fp8GroupedMM", "Fp8Linear", "apply_fp8", "dequantize",
            "dequantize_segments", "fp8_block_modules", "fp8_config_problem", "fp8_grouped_mm", "quantize",
            "quantize_segments"]
 

@@ -7,7 +7,70 @@ left over for the expert weights.
 
 from dataclasses import dataclass
 
-from trainer.config import ConfigError, ParallelismSection
+from parallelisms.moe_comm.registry import COMM_BACKENDS
+from trainer.config import ConfigError, option
+
+_SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass
+class ParallelismSection:
+    """Parallel degrees and their knobs. Expert parallelism borrows ranks from the data-parallel shard
+    dimension; it is not an extra factor of the world size."""
+
+    data_parallel_replicate_degree: int = option(1, ge=1)
+    """Number of data-parallel replicas (the replicate dimension of HSDP)."""
+    data_parallel_shard_degree: int = option(-1, ge=1, special=-1)
+    """FSDP shard degree; -1 = all ranks left after data_parallel_replicate_degree and pipeline_parallel_degree."""
+    expert_parallel_degree: int = option(1, ge=1)
+    """Ranks that split the routed experts between them; must divide data_parallel_shard_degree."""
+    expert_parallel_comm_backend: str = option("alltoall", choices=COMM_BACKENDS)
+    """How tokens travel to their experts: a comm backend registered in parallelisms/moe_comm/ (alltoall =
+    all_to_all_single collectives; each backend's doc is listed in docs/parallelism.md)."""
+    pipeline_parallel_degree: int = option(1, ge=1)
+    """Number of ranks the model is split across as a pipeline (the pipeline depth)."""
+    pipeline_parallel_schedule: str = option(
+        "1F1B", choices=["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"]
+    )
+    """Pipeline schedule; GPipe and 1F1B run one stage per rank, Interleaved1F1B several, ZBVZeroBubble and
+    DualPipeV exactly two in a V shape."""
+    pipeline_parallel_microbatch_size: int = option(1, ge=1)
+    """Sequences per pipeline microbatch; local_batch_size must be a multiple of it."""
+    pipeline_parallel_layers_per_stage: int = option(-1, ge=1, special=-1)
+    """Transformer blocks per pipeline stage; -1 = derive from the schedule and the model depth."""
+    pipeline_parallel_module_fqns_per_stage: list[str] = option([])
+    """Explicit split, one entry per stage with module names separated by spaces
+    (e.g. "tok_embeddings layers.0"); empty = automatic split."""
+    fsdp_reshard_after_forward: str = option("default", choices=["default", "always", "never"])
+    """Free unsharded parameters after forward (always) to save memory, or keep them for backward (never);
+    default = always without pipeline parallelism, never with it."""
+    dry_run: bool = False
+    """Build meshes and the sharded model on a fake process group, report, and exit without training."""
+
+    def check(self) -> list[ConfigError]:
+        """Settings of this section that contradict each other: the explicit pipeline split against the degree,
+        the schedule and the layers-per-stage knob."""
+        fqns, pp, schedule = (self.pipeline_parallel_module_fqns_per_stage, self.pipeline_parallel_degree,
+                              self.pipeline_parallel_schedule)
+        if not fqns:
+            return []
+        if pp == 1:
+            return [ConfigError("pipeline_parallel_module_fqns_per_stage", "set but pipeline_parallel_degree is 1",
+                                "[] unless pipeline_parallel_degree > 1")]
+        if self.pipeline_parallel_layers_per_stage != -1:
+            return [ConfigError("pipeline_parallel_layers_per_stage",
+                                "set together with pipeline_parallel_module_fqns_per_stage; they both define the split",
+                                "-1 when pipeline_parallel_module_fqns_per_stage is set")]
+        n = len(fqns)
+        if schedule in _SINGLE_STAGE_SCHEDULES:
+            ok, want = n == pp, f"exactly {pp} entries (one stage per rank with {schedule})"
+        elif schedule in _V_SCHEDULES:
+            ok, want = n == 2 * pp, f"exactly {2 * pp} entries (two stages per rank with {schedule})"
+        else:
+            ok = n % pp == 0 and n >= 2 * pp
+            want = f"a multiple of {pp} entries, at least {2 * pp} (several stages per rank with {schedule})"
+        return [] if ok else [ConfigError("pipeline_parallel_module_fqns_per_stage", f"has {n} entries", want)]
 
 
 def _divisors(n: int) -> str:

@@ -1,19 +1,20 @@
-"""Pipeline parallelism: split the model into stages by layers and run them with a `torch.distributed.pipelining`
+"""Pipeline parallelism: split the model into stages by units and run them with a `torch.distributed.pipelining`
 schedule.
 
-Split: the model's units are `tok_embeddings`, `layers.0` ... `layers.{L-1}`, and `norm output`; the embedding and
-the head each count as one layer when balancing stages. Each stage is a deep copy of the (meta-device) model with
-the other units removed (`tok_embeddings`/`norm`/`output` set to None, blocks deleted from the `layers` dict), so
-parameter names stay those of the full model. Stage s of S runs on pipeline rank s % pp for looped schedules, and
-on rank s or 2*pp-1-s for V-shaped ones (ZBVZeroBubble, DualPipeV).
+Split: the model spec names the units in forward order (`SplitUnits`: a first unit that takes the tokens, e.g.
+the embedding; the repeated blocks; a last unit that makes the output, e.g. the final norm and the head); the first
+and the last unit each count as one layer when balancing stages.
+The spec's `pipeline_stage(model, names)` makes each stage: a copy of the (meta-device) model that keeps only the
+named modules, with the parameter names of the full model. Stage s of S runs on pipeline rank s % pp for looped
+schedules, and on rank s or 2*pp-1-s for V-shaped ones (ZBVZeroBubble, DualPipeV).
 
-The loss runs on the last stage only; schedules call it per microbatch, and the trainer divides by the global
-number of tokens, so gradients do not need the schedule's own scaling (`scale_grads=False`).
+The loss runs on the last stage only; schedules call it per microbatch, and the trainer hands over a loss already
+divided by the global number of tokens (`trainer.loss.ScaledLoss`), so gradients do not need the schedule's own
+scaling (`scale_grads=False`).
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,27 +35,44 @@ LOOPED = {"Interleaved1F1B": ScheduleInterleaved1F1B}
 V_SHAPED = {"ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
 
 
-def stages_per_rank(schedule: str, n_layers: int, pp: int, layers_per_stage: int) -> int:
+@dataclass(frozen=True)
+class SplitUnits:
+    """A model's pipeline split units in forward order, each a tuple of module names that stay on one stage.
+
+    first: the unit the first stage holds (it takes the tokens, e.g. the embedding); layers: the repeated blocks;
+    last: the unit the last stage holds (it makes the output, e.g. the final norm and the head).
+    """
+
+    first: tuple[str, ...]
+    layers: tuple[tuple[str, ...], ...]
+    last: tuple[str, ...]
+
+    def ordered(self) -> list[tuple[str, ...]]:
+        """Every unit, first to last."""
+        return [self.first, *self.layers, self.last]
+
+
+def stages_per_rank(schedule: str, n_units: int, pp: int, layers_per_stage: int) -> int:
     """1 for single-stage schedules, 2 for V-shaped ones; looped schedules derive it from layers_per_stage."""
     if schedule in SINGLE_STAGE:
         return 1
     if schedule in V_SHAPED:
         return 2
     if layers_per_stage > 0:
-        return max(1, -(-(n_layers + 2) // (layers_per_stage * pp)))
+        return max(1, -(-n_units // (layers_per_stage * pp)))
     return 2
 
 
-def split_module_names(n_layers: int, n_stages: int) -> list[list[str]]:
-    """Units per stage, balanced with the embedding and the head counted as one layer each."""
-    units = ["tok_embeddings"] + [f"layers.{i}" for i in range(n_layers)] + ["norm output"]
-    if n_stages > len(units):
-        raise ValueError(f"{n_stages} pipeline stages for only {len(units)} units (embedding, layers, head)")
-    base, extra = divmod(len(units), n_stages)
+def split_module_names(units: SplitUnits, n_stages: int) -> list[list[str]]:
+    """Module names per stage, balanced by units (the first and the last unit count as one layer each)."""
+    ordered = units.ordered()
+    if n_stages > len(ordered):
+        raise ValueError(f"{n_stages} pipeline stages for only {len(ordered)} units (embedding, layers, head)")
+    base, extra = divmod(len(ordered), n_stages)
     out, start = [], 0
     for s in range(n_stages):
         size = base + (1 if s < extra else 0)
-        out.append(" ".join(units[start:start + size]).split())
+        out.append([name for unit in ordered[start:start + size] for name in unit])
         start += size
     return out
 
@@ -64,21 +82,6 @@ def stage_ids_of_rank(pp_rank: int, pp: int, n_stages: int, v_shape: bool) -> li
     if v_shape:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return list(range(pp_rank, n_stages, pp))
-
-
-def extract_stage(model: nn.Module, keep: list[str]) -> nn.Module:
-    """A copy of the (meta) model holding only the units in `keep`."""
-    part = copy.deepcopy(model)
-    if "tok_embeddings" not in keep:
-        part.tok_embeddings = None
-    for layer_id in list(part.layers.keys()):
-        if f"layers.{layer_id}" not in keep:
-            del part.layers[layer_id]
-    if "norm" not in keep:
-        part.norm = None
-    if "output" not in keep:
-        part.output = None
-    return part
 
 
 def stage_owner(stage_id: int, pp: int, v_shape: bool) -> int:
@@ -148,30 +151,33 @@ class StagePlan:
         return len(self.names)
 
 
-def plan_stages(n_layers: int, pp: int, pp_rank: int, par_cfg) -> StagePlan:
-    """Stage split from `[parallelism]`: explicit module lists per stage, or balanced by layer count."""
+def plan_stages(units: SplitUnits, pp: int, pp_rank: int, par_cfg) -> StagePlan:
+    """Stage split from `[parallelism]`: explicit module lists per stage, or balanced by unit count."""
     schedule_name = par_cfg.pipeline_parallel_schedule
     if par_cfg.pipeline_parallel_module_fqns_per_stage:
         names = [entry.split() for entry in par_cfg.pipeline_parallel_module_fqns_per_stage]
     else:
-        n_stages = pp * stages_per_rank(schedule_name, n_layers, pp, par_cfg.pipeline_parallel_layers_per_stage)
-        names = split_module_names(n_layers, n_stages)
+        n_units = len(units.ordered())
+        n_stages = pp * stages_per_rank(schedule_name, n_units, pp, par_cfg.pipeline_parallel_layers_per_stage)
+        names = split_module_names(units, n_stages)
     v_shape = schedule_name in V_SHAPED
     return StagePlan(names, stage_ids_of_rank(pp_rank, pp, len(names), v_shape), v_shape)
 
 
-def build_pipeline(model: nn.Module, parallel_dims, meshes, par_cfg, n_microbatches: int,
-                   loss_fn: Callable, parallelize: Callable[[nn.Module], nn.Module], device: torch.device) -> Pipeline:
-    """Split `model`, parallelize and wrap this rank's stages, and build the schedule.
+def build_pipeline(model: nn.Module, units: SplitUnits, keep: Callable[[nn.Module, list[str]], nn.Module],
+                   parallel_dims, meshes, par_cfg, n_microbatches: int, loss_fn: Callable,
+                   parallelize: Callable[[nn.Module], nn.Module], device: torch.device) -> Pipeline:
+    """Split `model` along `units`, parallelize and wrap this rank's stages, and build the schedule.
 
-    `parallelize(part)` applies EP/AC/compile/FSDP to one stage; it runs before materialisation, like for a model
-    without pipeline parallelism.
+    `keep(model, names)` is the model's stage maker (a copy holding only the named modules); `parallelize(part)`
+    applies EP/AC/compile/FSDP to one stage; it runs before materialisation, like for a model without pipeline
+    parallelism.
     """
     schedule_name = par_cfg.pipeline_parallel_schedule
-    plan = plan_stages(len(model.layers), parallel_dims.pp, meshes.pp.get_local_rank(), par_cfg)
+    plan = plan_stages(units, parallel_dims.pp, meshes.pp.get_local_rank(), par_cfg)
     parts, stages = [], []
     for stage_id in plan.stage_ids:
-        part = parallelize(extract_stage(model, plan.names[stage_id]))
+        part = parallelize(keep(model, plan.names[stage_id]))
         parts.append(part)
         stages.append(PipelineStage(part, stage_id, plan.n_stages, device, group=meshes.group("pp")))
     if schedule_name in SINGLE_STAGE:

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from trainer import device as devices  # noqa: E402
-from trainer.config import load_config  # noqa: E402
+from trainer.job_config import load_config  # noqa: E402
 from trainer.train import Trainer, run  # noqa: E402
 
 

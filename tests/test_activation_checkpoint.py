@@ -20,9 +20,10 @@ from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.model import DeepSeekV3Model
 from models.deepseek_v3.moe import MoE
 from models.deepseek_v3.parallelize import RECOMPUTE_MODULES, checkpoint_model
-from parallelisms.activation_checkpoint import (OP_TABLE, OpCounter, OpRef, ac_config_problem, apply_ac, op_kind,
-                                                resolve_ops, save_ops_warning)
-from trainer.config import ActivationCheckpointSection, ConfigError, JobConfig, validate_job
+from parallelisms.activation_checkpoint import (OP_TABLE, ActivationCheckpointSection, OpCounter, OpRef,
+                                                ac_config_problem, apply_ac, op_kind, resolve_ops, save_ops_warning)
+from trainer.config import ConfigError
+from trainer.job_config import JobConfig, validate_job
 
 TINY = ModelArgs(vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=3, n_dense_layers=1, n_heads=2,
                  max_seq_len=32, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, kv_lora_rank=16,

@@ -34,7 +34,7 @@ def _tree_digest(folder) -> str:
 @pytest.fixture(scope="module")
 def good_checkpoint(tmp_path_factory):
     """A real 1-step checkpoint of the debug model (in <dump>/checkpoint/step-1)."""
-    from trainer.config import load_config
+    from trainer.job_config import load_config
     from trainer.train import run
 
     dump = tmp_path_factory.mktemp("ckpt")

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from trainer.checkpoint import list_checkpoints
-from trainer.config import load_config
+from trainer.job_config import load_config
 from trainer.train import TrainingError, Trainer, run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,7 +83,7 @@ def test_resume_with_more_steps_follows_the_new_lr_schedule(tmp_path, monkeypatc
 
 
 def test_lr_schedule_state_is_its_position_and_names_what_changed():
-    from trainer.config import LRSchedulerSection
+    from trainer.lr_schedule import LRSchedulerSection
     from trainer.lr_schedule import build_lr_scheduler, lr_factor
 
     def scheduler(total, lr=1.0, **cfg):

@@ -25,7 +25,9 @@ import parallelisms.activation_checkpoint as ac  # noqa: E402
 from models.common.token_dispatch import Dispatched, TokenDispatcher, host_list  # noqa: E402
 from parallelisms.moe_comm import registry  # noqa: E402
 from parallelisms.moe_comm.registry import COMM_BACKENDS, get_comm_backend, register_comm_backend  # noqa: E402
-from trainer.config import ActivationCheckpointSection, ConfigError, load_config, validate_job  # noqa: E402
+from parallelisms.activation_checkpoint import ActivationCheckpointSection  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.job_config import load_config, validate_job  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------- the toy backend

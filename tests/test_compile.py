@@ -28,8 +28,8 @@ from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.model import DeepSeekV3Model
 from models.deepseek_v3.moe import update_expert_bias
 from models.deepseek_v3.parallelize import checkpoint_model, compile_model
-from parallelisms.compile import compile_loss, compiled_modules
-from trainer.config import ActivationCheckpointSection, CompileSection
+from parallelisms.activation_checkpoint import ActivationCheckpointSection
+from parallelisms.compile import CompileSection, compile_loss, compiled_modules
 from trainer.loss import IGNORE_INDEX, count_valid_tokens, cross_entropy_sum
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -248,7 +248,7 @@ def _worker(jobs_path: str, out_path: str) -> None:
     import torch.distributed as dist
     from dist_worker import worker_session
 
-    from trainer.config import load_config
+    from trainer.job_config import load_config
     from trainer.train import Trainer, run
 
     current: dict = {}

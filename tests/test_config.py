@@ -1,6 +1,8 @@
 """Tests of the job config (TOML + CLI loading, errors, help, printing) and of ParallelDims."""
 
 import dataclasses
+import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
@@ -9,16 +11,9 @@ from pathlib import Path
 import pytest
 
 from parallelisms.parallel_dims import ParallelDims
-from trainer.config import (
-    ConfigError,
-    JobConfig,
-    ParallelismSection,
-    config_to_toml,
-    field_docs,
-    load_config,
-    run_with_config_errors,
-    validate_job,
-)
+from parallelisms.parallel_dims import ParallelismSection
+from trainer.config import ConfigError, check_sections, config_to_toml, field_docs, load, run_with_config_errors
+from trainer.job_config import JobConfig, load_config, validate_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,7 +60,7 @@ def test_list_defaults_are_not_shared():
 
 
 def test_every_field_has_a_docstring():
-    docs = field_docs()
+    docs = field_docs(JobConfig)
     for key in all_keys():
         section, name = key.split(".")
         assert docs[section].get(name), f"{key} has no attribute docstring"
@@ -349,7 +344,7 @@ def test_run_with_config_errors_exits_2_with_one_line(tmp_path):
     script = tmp_path / "tiny.py"
     script.write_text(
         "import sys\n"
-        "from trainer.config import load_config, run_with_config_errors\n"
+        "from trainer.config import run_with_config_errors\nfrom trainer.job_config import load_config\n"
         "run_with_config_errors(lambda: load_config(sys.argv[1:]))\n"
     )
     proc = subprocess.run(
@@ -364,6 +359,81 @@ def test_run_with_config_errors_exits_2_with_one_line(tmp_path):
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("config error: training.stepz: unknown key; did you mean training.steps?")
+
+
+# --- the machinery on a fork's own sections ------------------------------------------------------------
+
+FORK_SECTIONS = '''
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.config import ConfigError, option
+from trainer.job_config import JobSection
+
+
+@dataclass
+class SamplerSection:
+    """How examples are drawn."""
+
+    temperature: float = option(1.0, gt=0)
+    """Softmax temperature."""
+    mode: str = option("greedy", choices=["greedy", "topk"])
+    """Decoding mode."""
+    k: int = option(0, ge=0)
+    """Candidates kept with mode = topk."""
+
+    def check(self) -> list[ConfigError]:
+        if self.mode == "topk" and self.k == 0:
+            return [ConfigError("k", "0 with mode = topk", ">= 1 with topk")]
+        return []
+
+
+@dataclass
+class ForkConfig:
+    job: JobSection = field(default_factory=JobSection)
+    sampler: SamplerSection = field(default_factory=SamplerSection)
+'''
+
+
+def load_fork_module(tmp_path):
+    """A fork's root config and section in their own module, with string annotations (postponed evaluation)."""
+    path = tmp_path / "fork_sections.py"
+    path.write_text(FORK_SECTIONS)
+    spec = importlib.util.spec_from_file_location("fork_sections", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fork_sections"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_machinery_loads_a_section_from_any_module(tmp_path, capsys):
+    fork = load_fork_module(tmp_path)
+    toml = write_toml(tmp_path, "[sampler]\nmode = \"topk\"\n")
+    cfg = load(fork.ForkConfig, ["--job.config_file", toml, "--sampler.temperature", "0.5"])
+    assert (cfg.sampler.mode, cfg.sampler.temperature, cfg.sampler.k) == ("topk", 0.5, 0)
+    with pytest.raises(ConfigError, match=r"sampler\.k: 0 with mode = topk; allowed: >= 1 with topk"):
+        check_sections(cfg)
+    with pytest.raises(ConfigError, match=r"sampler\.mode: 'beam' is not a valid choice; allowed: greedy, topk"):
+        load(fork.ForkConfig, ["--sampler.mode", "beam"])
+    with pytest.raises(ConfigError, match=r"job\.toml:2: sampler\.temprature: unknown key; did you mean "
+                                          r"sampler\.temperature\?"):
+        load(fork.ForkConfig, ["--job.config_file", write_toml(tmp_path, "[sampler]\ntemprature = 2.0\n")])
+    with pytest.raises(SystemExit):
+        load(fork.ForkConfig, ["--help"])
+    out = capsys.readouterr().out
+    assert "--sampler.temperature (float, default 1.0): Softmax temperature. Allowed: > 0." in out
+    assert "[sampler]\ntemperature = 0.5\nmode = \"topk\"\nk = 0\n" in config_to_toml(cfg)
+
+
+def test_machinery_imports_only_the_standard_library():
+    code = ("import sys, trainer.config; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'parallelisms', 'models', 'trainer'))"
+            ")")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['trainer', 'trainer.config']"
 
 
 # --- ParallelDims and cross-section validation ---------------------------------------------------------

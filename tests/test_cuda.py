@@ -21,7 +21,7 @@ from models.deepseek_v3.model import DeepSeekV3Model, attention
 from parallelisms.activation_checkpoint import OpCounter
 from parallelisms.clip import clip_grad_norm_
 from trainer import device as devices
-from trainer.config import OptimizerSection
+from trainer.optimizer import OptimizerSection
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.optimizer import build_optimizer
 

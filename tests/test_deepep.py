@@ -75,7 +75,7 @@ def test_only_gloo_groups_get_the_standin(monkeypatch, backend, standin):
 
 
 def test_a_cpu_run_passes_the_config_check():
-    from trainer.config import load_config, validate_job
+    from trainer.job_config import load_config, validate_job
 
     if torch.cuda.is_available():
         pytest.skip("CUDA machine: a deepep run there needs deep_ep")
@@ -287,7 +287,7 @@ def _parity(mesh, rank: int) -> dict:
 
 
 def _ac_config(mode: str, save_deepep: bool = True, early_stop: bool = False):
-    from trainer.config import ActivationCheckpointSection
+    from parallelisms.activation_checkpoint import ActivationCheckpointSection
 
     cfg = ActivationCheckpointSection(mode=mode, granularity="op", early_stop=early_stop)
     if not save_deepep:
@@ -559,7 +559,7 @@ def _battery(rank: int) -> dict:
 def _train(jobs: dict) -> dict:
     import torch.distributed as dist
 
-    from trainer.config import load_config
+    from trainer.job_config import load_config
     from trainer.memory import MemoryMonitor
     from trainer.train import run
 

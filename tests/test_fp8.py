@@ -272,7 +272,7 @@ def _tiny_model(recipe: str, ac_mode: str = "none", extra: list[str] = ()):
     from models.deepseek_v3.model import DeepSeekV3Model
     from models.deepseek_v3.parallelize import checkpoint_model
     from parallelisms.fp8 import apply_fp8
-    from trainer.config import load_config
+    from trainer.job_config import load_config
 
     cfg = load_config(["--fp8.recipe", recipe, "--activation_checkpoint.mode", ac_mode, *extra])
     with torch.device("meta"):
@@ -336,7 +336,7 @@ def test_rowwise_without_torchao_is_a_config_problem(monkeypatch):
     from models.deepseek_v3.args import FLAVORS
     from models.deepseek_v3.model import TransformerBlock
     from parallelisms import fp8
-    from trainer.config import load_config
+    from trainer.job_config import load_config
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with torch.device("meta"):
@@ -377,7 +377,7 @@ def test_checkpoint_holds_master_weights_and_resumes_with_another_recipe(tmp_pat
     recipe none (and would with any other)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from trainer.config import load_config
+    from trainer.job_config import load_config
     from trainer.train import run
 
     base = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
@@ -427,7 +427,7 @@ def test_default_names_valid_for_a_model_without_dense_layers():
     """The default filters name feed_forward; a model with no dense layer must still pass, recipe off or on."""
     from models.deepseek_v3 import _check_fp8
     from models.deepseek_v3.args import FLAVORS
-    from trainer.config import load_config
+    from trainer.job_config import load_config
 
     for recipe in ("none", "blockwise"):
         _check_fp8(load_config(["--fp8.recipe", recipe]), FLAVORS["debugmodel"].replace(n_dense_layers=0))

@@ -31,7 +31,7 @@ from models.deepseek_v3.hf import (
     to_hf,
 )
 from models.deepseek_v3.model import DeepSeekV3Model
-from trainer.config import load_config
+from trainer.job_config import load_config
 from trainer.train import run
 
 transformers = pytest.importorskip("transformers")

@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("trainer", "parallelisms", "models")
 
 #: Files of a model family that wire the model to the trainer and the parallelisms by design: the package's
-#: `ModelSpec` registration (`__init__.py`) and its parallelize plan. Every other model module is model code.
-MODEL_ADAPTERS = ("__init__.py", "parallelize.py")
+#: `ModelSpec` registration (`__init__.py`), its parallelize plan, its pipeline split and its memory plan's
+#: tensors. Every other model module is model code.
+MODEL_ADAPTERS = ("__init__.py", "parallelize.py", "pipeline.py", "memory_plan.py")
 
-#: Imports that break a rule today, each with the reason; the test also fails when one of them is gone, so that
-#: the list only shrinks. parallel_dims raises the config's one-line ConfigError, which lives in trainer/config.py
-#: until the config sections move next to their code (issue 16, target shape 3); trainer/config.py imports it
-#: back inside `validate_job`.
-KNOWN_EXCEPTIONS = {
-    ("parallelisms/parallel_dims.py", "trainer.config"),
-    ("trainer/config.py", "parallelisms.parallel_dims"),
-}
+#: The config machinery: standard library only, so that every package may import it for its config section.
+CONFIG = "trainer.config"
 
 #: Only the comm backends (parallelisms/moe_comm/) may name DeepEP, in code, comments or docstrings.
 DEEPEP = re.compile(r"deep_?ep", re.IGNORECASE)
@@ -72,13 +68,13 @@ def _violations(rule) -> list[str]:
     bad = []
     for name, path in MODULES.items():
         for module, line in _imports(name, path):
-            if rule(_rel(path), module) and (_rel(path), _top(module)) not in KNOWN_EXCEPTIONS:
+            if rule(_rel(path), module):
                 bad.append(f"{_rel(path)}:{line} imports {module}")
     return bad
 
 
 def _top(module: str) -> str:
-    """The module's entry in KNOWN_EXCEPTIONS terms: the project module it resolves to, or the name itself."""
+    """The project module an import resolves to, or the name itself."""
     while module and module not in MODULES:
         module = module.rpartition(".")[0]
     return module
@@ -109,9 +105,17 @@ def test_common_building_blocks_import_no_model_family():
 
 def test_parallelisms_import_neither_trainer_nor_a_model_family():
     bad = _violations(lambda file, module: file.startswith("parallelisms/")
-                      and (_under(module, "trainer") or (_under(module, "models") and module != "models"
-                                                          and not _under(module, "models.common"))))
-    assert not bad, "parallelisms may import models.common, never trainer or a model family:\n" + "\n".join(bad)
+                      and ((_under(module, "trainer") and module != CONFIG)
+                           or (_under(module, "models") and module != "models" and not _under(module, "models.common"))))
+    assert not bad, ("parallelisms may import models.common and trainer.config, never the rest of trainer or a model "
+                     "family:\n" + "\n".join(bad))
+
+
+def test_the_config_machinery_imports_the_standard_library_only():
+    path = MODULES[CONFIG]
+    bad = [f"{_rel(path)}:{line} imports {module}" for module, line in _imports(CONFIG, path)
+           if module.split(".")[0] not in sys.stdlib_module_names and module not in ("__future__", "tomli")]
+    assert not bad, "trainer/config.py must import the standard library only (tomli on Python 3.10):\n" + "\n".join(bad)
 
 
 def test_trainer_finds_models_through_the_registry_only():
@@ -120,19 +124,13 @@ def test_trainer_finds_models_through_the_registry_only():
     assert not bad, "the trainer imports model code only by name, through trainer/registry.py:\n" + "\n".join(bad)
 
 
-def test_known_exceptions_still_exist():
-    present = {(_rel(path), _top(module)) for name, path in MODULES.items() for module, _ in _imports(name, path)}
-    gone = KNOWN_EXCEPTIONS - present
-    assert not gone, f"remove these from KNOWN_EXCEPTIONS, they no longer occur: {sorted(gone)}"
-
-
 def test_no_import_cycle_between_modules():
     graph: dict[str, dict[str, int]] = {}
     for name, path in MODULES.items():
         edges = {}
         for module, line in _imports(name, path):
             target = _top(module)
-            if target and target != name and (_rel(path), target) not in KNOWN_EXCEPTIONS:
+            if target and target != name:
                 edges.setdefault(target, line)
         graph[name] = edges
     cycles = _cycles(graph)

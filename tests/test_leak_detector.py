@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from models.deepseek_v3.args import FLAVORS
 from models.deepseek_v3.hf import hf_config_from_args
-from trainer.config import load_config
+from trainer.job_config import load_config
 from trainer.leak_detector import SLOPE_TAG, LeakDetector, MemoryLeakError, theil_sen_slope
 from trainer.memory import MemoryMonitor, MemorySnapshots
 from trainer.train import Trainer, prepare

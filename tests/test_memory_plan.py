@@ -12,7 +12,7 @@ import torch
 from benchmarks import memory_plan_check
 from models.deepseek_v3.model import DeepSeekV3Model
 from trainer.dry_run import report
-from trainer.config import load_config
+from trainer.job_config import load_config
 from trainer.memory_plan import plan
 from trainer.registry import get_model_spec
 from trainer.train import Trainer, prepare

@@ -464,7 +464,7 @@ def test_layer_override_cuts_16b_to_the_h100_benchmark_model():
     """train_configs/h100_bench.toml: the 16B flavor's shapes with 4 layers (1 dense + 3 MoE), as issue 14 states
     them: 2.25B parameters, 3.49 GFLOP per token at seq 4096."""
     from models.deepseek_v3 import build_args
-    from trainer.config import load_config
+    from trainer.job_config import load_config
 
     cfg = load_config(["--job.config_file", "train_configs/h100_bench.toml"])
     args = build_args(cfg)

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from models.deepseek_v3.args import FLAVORS
 from models.deepseek_v3.hf import hf_config_from_args
-from trainer.config import load_config
+from trainer.job_config import load_config
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory import MemoryMonitor
 from trainer.optimizer import build_optimizer, tile_params

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from dist_utils import launch as _launch
 
-from trainer.config import load_config
+from trainer.job_config import load_config
 from trainer.train import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

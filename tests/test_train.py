@@ -1,5 +1,6 @@
 """End-to-end tests of the single-process train loop and of the command-line entry points."""
 
+import dataclasses
 import logging
 import os
 import re
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 from trainer import preflight
-from trainer.config import config_to_toml, load_config, run_with_config_errors
+from trainer.config import ConfigError, config_to_toml, run_with_config_errors
+from trainer.job_config import load_config
 from trainer.metrics import read_scalars, run_dirs
+from trainer.registry import get_model_spec, register_model_spec
 from trainer.train import Trainer, prepare, run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,6 +112,49 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     whole = run(_cfg(tmp_path / "a", *common, "--training.local_batch_size", "4"))
     accumulated = run(_cfg(tmp_path / "b", *common, "--training.local_batch_size", "2"))
     assert accumulated == pytest.approx(whole, rel=1e-5)
+
+
+def test_model_spec_hooks_run_at_build_and_around_every_step(tmp_path):
+    """configure_model once on the built model, then per step before_step (global valid tokens) before the
+    forward and post_optimizer_step after the update; DeepSeek-V3's hooks set the MoE aux-loss fields."""
+    base = get_model_spec("deepseek_v3")
+    events = []
+
+    def configure(model, job_config):
+        events.append(("configure", len(model.moe_layers())))
+        base.configure_model(model, job_config)
+
+    def before(model_parts, global_tokens):
+        events.append(("before", global_tokens))
+        base.before_step(model_parts, global_tokens)
+
+    def post(model_parts, job_config, dp_group):
+        events.append(("post",))
+        return base.post_optimizer_step(model_parts, job_config, dp_group)
+
+    register_model_spec(dataclasses.replace(base, name="hooks_probe", configure_model=configure,
+                                            before_step=before, post_optimizer_step=post))
+    cfg = _cfg(tmp_path, "--model.name", "hooks_probe", "--training.steps", "2", "--validation.enable", "false",
+               "--metrics.enable_tensorboard", "false", "--memory.track", "off", "--moe.aux_loss_coeff", "0.01")
+    trainer = Trainer(prepare(cfg, 1, 0), torch.device("cpu"))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len  # the debug data has no ignored labels
+    assert events == [("configure", 5), ("before", tokens), ("post",), ("before", tokens), ("post",)]
+    moe_layers = trainer.model_parts[0].moe_layers()
+    assert all(m.aux_loss_coeff == 0.01 and m.aux_loss_grad_scale == 1 / tokens for m in moe_layers)
+
+
+def test_pipeline_parallel_needs_the_models_split_units():
+    register_model_spec(dataclasses.replace(get_model_spec("deepseek_v3"), name="no_split", pipeline_units=None,
+                                            pipeline_stage=None))
+    cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--model.name", "no_split",
+                       "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
+                       "--parallelism.pipeline_parallel_microbatch_size", "1"])
+    with pytest.raises(ConfigError, match="parallelism.pipeline_parallel_degree: model 'no_split' has no pipeline"):
+        prepare(cfg, 2, 0)
 
 
 def _cli(args, env_extra=None, cmd=None):

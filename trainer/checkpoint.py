@@ -20,6 +20,7 @@ import os
 import pickle
 import re
 import shutil
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,42 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from trainer.config import ConfigError, option
 from trainer.lr_schedule import WarmupDecayLR
+
+
+@dataclass
+class CheckpointSection:
+    """Saving and loading distributed checkpoints."""
+
+    enable: bool = False
+    """Save checkpoints and resume from the latest one found in folder."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder."""
+    interval: int = option(500, ge=1)
+    """Save every this many steps."""
+    keep_latest_k: int = option(0, ge=0)
+    """Keep only the newest k checkpoints; 0 keeps all."""
+    async_mode: str = option("disabled", choices=["disabled", "async"])
+    """disabled saves synchronously; async writes in the background while training continues."""
+    load_step: int = option(-1, ge=0, special=-1)
+    """Step to resume from; -1 = the latest checkpoint in folder."""
+    last_save_model_only: bool = False
+    """Save only model weights (no optimizer or data state) at the last step, for export."""
+    export_dtype: str = option("float32", choices=["float32", "bfloat16"])
+    """Dtype of the weights in a model-only last save."""
+    initial_load_path: str = ""
+    """Checkpoint to initialise the model from when folder holds no checkpoint yet."""
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face safetensors checkpoint rather than a native one."""
+
+    def check(self) -> list[ConfigError]:
+        """Settings of this section that contradict each other."""
+        if self.initial_load_in_hf and not self.initial_load_path:
+            return [ConfigError("initial_load_in_hf", "true but checkpoint.initial_load_path is empty",
+                                "a path to load from")]
+        return []
+
 
 logger = logging.getLogger("trainer")
 

@@ -20,12 +20,41 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from trainer.config import ConfigError
 from trainer.tokenizer import Tokenizer, resolve_path
+
+
+@dataclass
+class DatasetSection:
+    """Where training text comes from."""
+
+    name: str = "pydoc"
+    """Built-in corpus shipped with the repo (pydoc), or a Hugging Face hub dataset name."""
+    path: str = ""
+    """Local json/jsonl/parquet/txt file or directory; overrides name when set."""
+    split: str = "train"
+    """Dataset split to read."""
+    streaming: bool = True
+    """Stream the dataset instead of downloading and materialising it first."""
+    text_field: str = "text"
+    """Name of the column that holds the raw text."""
+    allow_download: bool = False
+    """Let a Hugging Face dataset name be fetched from the Hub. false: Hugging Face runs offline (the shipped
+    corpus, local files and datasets already in the local HF cache); an exported HF_HUB_OFFLINE=1 keeps a run
+    offline even when true."""
+
+    def check(self) -> list[ConfigError]:
+        """Settings of this section that contradict each other."""
+        if not self.name and not self.path:
+            return [ConfigError("name", "empty and dataset.path is empty too", "a dataset name or a dataset.path")]
+        return []
+
 
 __all__ = [
     "LOCAL_DATASETS",

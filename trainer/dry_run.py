@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from parallelisms.mesh import build_meshes
-from parallelisms.pipeline import extract_stage, plan_stages
-from trainer.config import load_config, run_with_config_errors, validate_job
+from parallelisms.pipeline import plan_stages
+from trainer.config import run_with_config_errors
+from trainer.job_config import load_config, validate_job
 from trainer.registry import get_model_spec
 
 
@@ -46,8 +47,8 @@ def inspect_rank(cfg, world_size: int, rank: int) -> dict:
         with torch.device("meta"):
             model = spec.model_cls(args)
         if dims.pp_enabled:
-            plan = plan_stages(len(model.layers), dims.pp, meshes.pp.get_local_rank(), cfg.parallelism)
-            parts = [extract_stage(model, plan.names[s]) for s in plan.stage_ids]
+            plan = plan_stages(spec.pipeline_units(args), dims.pp, meshes.pp.get_local_rank(), cfg.parallelism)
+            parts = [spec.pipeline_stage(model, plan.names[s]) for s in plan.stage_ids]
             stages = [" ".join(_compact(plan.names[s])) for s in plan.stage_ids]
         else:
             parts, stages = [model], ["all"]
@@ -73,12 +74,20 @@ def inspect_rank(cfg, world_size: int, rank: int) -> dict:
 
 
 def _compact(names: list[str]) -> list[str]:
-    """`layers.3 layers.4 layers.5` -> `layers.3-5` for printing."""
-    layers = [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
-    out = [n for n in names if not n.startswith("layers.")]
-    if layers:
-        out.insert(1 if "tok_embeddings" in names else 0, f"layers.{layers[0]}-{layers[-1]}")
-    return out
+    """Numbered names of one prefix as one range, where the first of them stands, for printing:
+    `emb blocks.3 blocks.4 blocks.5 head` -> `emb blocks.3-5 head`."""
+    out: list[list[str]] = []  # [name] or [prefix, first index, last index]
+    ranges: dict[str, list[str]] = {}
+    for name in names:
+        prefix, _, index = name.rpartition(".")
+        if not (prefix and index.isdigit()):
+            out.append([name])
+        elif prefix in ranges:
+            ranges[prefix][2] = index
+        else:
+            ranges[prefix] = [prefix, index, index]
+            out.append(ranges[prefix])
+    return [entry[0] if len(entry) == 1 else f"{entry[0]}.{entry[1]}-{entry[2]}" for entry in out]
 
 
 def report(cfg, world_size: int) -> list[dict]:

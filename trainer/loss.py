@@ -73,6 +73,22 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         return grad_NV, None, None
 
 
+class ScaledLoss:
+    """`loss_fn(output, labels) * scale`, with `scale` set by its owner before each use.
+
+    A pipeline schedule calls its loss per microbatch and runs backward on the result itself, so the loss it gets
+    must already carry the step's normalisation (1 / global valid tokens): the training step sets `scale` before
+    running the schedule, and the schedule holds this object from its build on.
+    """
+
+    def __init__(self, loss_fn):
+        self.loss_fn = loss_fn
+        self.scale = 1.0
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, labels) * self.scale
+
+
 def count_valid_tokens(labels: torch.Tensor) -> torch.Tensor:
     """Number of labels that contribute to the loss (int64 scalar tensor on the labels' device)."""
     return (labels != IGNORE_INDEX).sum()

@@ -3,8 +3,25 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+from trainer.config import option
+
+
+@dataclass
+class LRSchedulerSection:
+    """Learning-rate schedule: linear warmup, then an optional stable phase, then decay."""
+
+    warmup_steps: int = option(2, ge=0)
+    """Steps of linear warmup from near zero to the peak learning rate."""
+    decay_type: str = option("linear", choices=["linear", "cosine", "wsd"])
+    """Shape of the decay after warmup; wsd (warmup-stable-decay) holds the peak, then decays linearly."""
+    decay_ratio: float = option(1.0, gt=0, le=1)
+    """Fraction of the post-warmup steps spent decaying; with wsd the peak is held for the steps before."""
+    min_lr_factor: float = option(0.0, ge=0, le=1)
+    """Final learning rate as a fraction of the peak."""
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_type: str, decay_ratio: float,

@@ -12,8 +12,24 @@ import logging
 import os
 import re
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
+
+from trainer.config import option
+
+
+@dataclass
+class MetricsSection:
+    """Logging of loss, throughput and memory."""
+
+    log_freq: int = option(1, ge=1)
+    """Log metrics every this many steps."""
+    enable_tensorboard: bool = True
+    """Write tensorboard event files under dump_folder."""
+    save_for_all_ranks: bool = False
+    """Write metrics from every rank, not just rank 0 (useful to see per-rank memory or imbalance)."""
+
 
 __all__ = ["MetricLogger", "init_logging", "new_run_dir", "read_scalars", "run_dirs"]
 

@@ -13,9 +13,38 @@ group. The result is still a plain ``torch.optim.AdamW``: LR schedulers set ``lr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from trainer.config import option
+
+
+@dataclass
+class OptimizerSection:
+    """The optimizer and its hyperparameters."""
+
+    name: str = option("AdamW", choices=["AdamW"])
+    """Optimizer class."""
+    lr: float = option(8e-4, gt=0)
+    """Peak learning rate, reached at the end of warmup."""
+    beta1: float = option(0.9, ge=0, lt=1)
+    """Decay rate of the first-moment (mean) estimate."""
+    beta2: float = option(0.95, ge=0, lt=1)
+    """Decay rate of the second-moment (variance) estimate."""
+    eps: float = option(1e-8, gt=0)
+    """Added to the denominator for numerical stability."""
+    weight_decay: float = option(0.1, ge=0)
+    """Decoupled weight decay coefficient."""
+    implementation: str = option("fused", choices=["foreach", "for-loop", "fused"])
+    """Kernel strategy of the optimizer step: fused (one kernel per tensor, no step-wide temporaries; faster than
+    foreach, see docs/performance.md), multi-tensor foreach, or one tensor at a time."""
+    max_group_bytes: int = option(0, ge=0)
+    """0 = step all parameters at once; >0 = tiled step over parameter groups of at most this many bytes,
+    which caps the temporary memory of the foreach kernels (fused and for-loop have none to cap)."""
+
 
 __all__ = ["build_optimizer", "local_nbytes", "tile_params"]
 

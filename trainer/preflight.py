@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import sys
 
-from trainer.config import config_to_toml, load_config, run_with_config_errors
+from trainer.config import config_to_toml, run_with_config_errors
 from trainer.dry_run import print_report, report
+from trainer.job_config import load_config
 from trainer.train import prepare
 
 NOTHING_TO_LAUNCH = 10

@@ -16,6 +16,37 @@ import torch
 from torch import nn
 
 import models
+from trainer.config import option
+
+
+@dataclass
+class ModelSection:
+    """Which model to build."""
+
+    name: str = "deepseek_v3"
+    """Model family, looked up in the model registry."""
+    flavor: str = "debugmodel"
+    """Named size preset of the model family (e.g. debugmodel, 16B, 671B)."""
+    hf_config_path: str = ""
+    """Optional Hugging Face config.json; when set, model args come from it instead of the flavor."""
+    n_layers: int = option(0, ge=1, special=0)
+    """Number of transformer layers, overriding the flavor's (or the HF config's); 0 = keep it. Cuts a flavor
+    to a benchmarkable size with its real layer shapes (train_configs/h100_bench.toml: 16B with 4 layers)."""
+    n_dense_layers: int = option(-1, ge=0, special=-1)
+    """How many of the first layers use a dense FFN instead of MoE, overriding the flavor's; -1 = keep it. At
+    most n_layers."""
+
+
+@dataclass
+class MoESection:
+    """Mixture-of-experts training knobs."""
+
+    load_balance_coeff: float = option(1e-3, ge=0)
+    """Step size of the aux-loss-free expert-bias update; 0 disables the update."""
+    aux_loss_coeff: float = option(0.0, ge=0)
+    """Weight of the DeepSeek-V3 sequence-wise balance loss; 0 disables it."""
+    use_grouped_mm: bool = True
+    """Run the routed experts as one grouped matmul instead of a loop over experts."""
 
 
 @dataclass(frozen=True)
@@ -26,7 +57,6 @@ class ModelSpec:
         (seq_len, MoE switches); raises ConfigError for a job the model cannot run.
     model_cls(args) -> nn.Module, built by the trainer on the meta device; it must have `init_weights(device)`.
     parallelize_fn(model, parallel_dims, meshes, job_config) -> model: EP, AC, compile, FSDP in that order.
-    pipeline_fn(model, parallel_dims, meshes, job_config, loss_fn) -> (schedule, model_parts, has_first, has_last).
     build_loss_fn(args) -> fn(output, labels) -> summed loss over valid label tokens.
     post_optimizer_step(model_parts, job_config, dp_group) -> dict of scalars to log (e.g. MoE bias update).
     counts(args, seq_len) -> (total params, active params, training FLOPs per token).
@@ -36,6 +66,17 @@ class ModelSpec:
         checks names against it before the model is built.
     compile_units(model_part) -> the `parallelisms.compile.CompileUnit`s that `parallelize_fn` compiles, or None
         when the model is never compiled; the trainer's compile-time estimate counts them.
+    configure_model(model, job_config) -> None: per-job settings on the model just built on the meta device, before
+        it is split or parallelized (e.g. the MoE aux-loss weight); no-op by default.
+    before_step(model_parts, global_tokens) -> None: per-step state set before the step's first forward, from the
+        number of valid label tokens in the global batch (e.g. the aux loss's 1 / global_tokens); no-op by default.
+    pipeline_units(args) -> `parallelisms.pipeline.SplitUnits`: the module names the pipeline balances over its
+        stages, in forward order, with the first and the last stage's units; None: no pipeline parallelism.
+    pipeline_stage(model, names) -> nn.Module: a copy of the (meta) model holding only the modules in `names`
+        (the parameter names stay those of the full model); given with `pipeline_units`.
+    memory_plan(args, job_config, shape, names, gather_bytes, shard) -> `trainer.memory_plan.StageMemory`: the
+        tensors and sizes of the model part holding the pipeline units `names` (None: all) for one microbatch of
+        `shape`, FSDP gathering `gather_bytes` per element over `shard` ranks; None: no memory plan.
     """
 
     name: str
@@ -43,13 +84,17 @@ class ModelSpec:
     flavors: dict[str, Any]
     build_args: Callable[[Any], Any]
     parallelize_fn: Callable[..., nn.Module]
-    pipeline_fn: Callable[..., Any] | None
     build_loss_fn: Callable[[Any], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
     post_optimizer_step: Callable[..., dict[str, float]]
     counts: Callable[[Any, int], tuple[int, int, float]]
     state_dict_adapter: Any = None
     recompute_modules: Mapping[str, Any] = field(default_factory=dict)
     compile_units: Callable[[nn.Module], list] | None = None
+    configure_model: Callable[[nn.Module, Any], None] = lambda model, job_config: None
+    before_step: Callable[[list[nn.Module], int], None] = lambda model_parts, global_tokens: None
+    pipeline_units: Callable[[Any], Any] | None = None
+    pipeline_stage: Callable[[nn.Module, list[str]], nn.Module] | None = None
+    memory_plan: Callable[..., Any] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -19,10 +19,20 @@ import binascii
 import json
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import tiktoken
+
+
+@dataclass
+class TokenizerSection:
+    """The tokenizer."""
+
+    path: str = "assets/tokenizer/pydoc_bpe.tiktoken"
+    """A tiktoken rank file or a Hugging Face tokenizer.json."""
+
 
 __all__ = [
     "BOS_TOKEN",

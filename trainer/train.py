@@ -5,9 +5,9 @@ Order of work (nothing model-specific here; the model comes from the registry):
      file is written: degrees vs world size, model args, tokenizer, dataset.
   2. process group and device; the model is built on the meta device, parallelized, then materialised and
      initialised (`init_weights`).
-  3. loop: batch -> forward -> sum-CE / global valid tokens -> backward (gradient accumulation) -> clip by the
-     global norm -> AdamW step -> LR schedule -> MoE bias update -> metrics and memory; validation every
-     `validation.freq` steps.
+  3. loop: batch -> the model's `before_step` hook (global valid tokens) -> forward -> sum-CE / global valid
+     tokens -> backward (gradient accumulation) -> clip by the global norm -> AdamW step -> LR schedule -> the
+     model's `post_optimizer_step` hook -> metrics and memory; validation every `validation.freq` steps.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from parallelisms.pipeline import build_pipeline
 from trainer import device as devices
 from trainer.checkpoint import (CheckpointError, CheckpointManager, check_checkpoint, latest_checkpoint,
                                 list_checkpoints)
-from trainer.config import ConfigError, JobConfig, config_to_toml, load_config, run_with_config_errors, validate_job
+from trainer.config import ConfigError, config_to_toml, run_with_config_errors
+from trainer.job_config import JobConfig, load_config, validate_job
 from trainer.data import DatasetError, build_dataloader, has_documents
-from trainer.loss import count_valid_tokens
+from trainer.loss import ScaledLoss, count_valid_tokens
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.leak_detector import LeakDetector, MemoryLeakError
 from trainer.memory import MemoryMonitor, MemorySnapshots, MemoryStats
@@ -109,6 +110,9 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
         spec = get_model_spec(cfg.model.name)
     except KeyError:
         raise ConfigError("model.name", f"unknown model {cfg.model.name!r}", ", ".join(available_models()))
+    if dims.pp_enabled and spec.pipeline_units is None:
+        raise ConfigError("parallelism.pipeline_parallel_degree", f"model {cfg.model.name!r} has no pipeline split",
+                          "1")
     model_args = spec.build_args(cfg)
     try:
         tokenizer = build_tokenizer(cfg.tokenizer.path)
@@ -219,8 +223,7 @@ class Trainer:
         self.loss_fn = compile_loss(self.spec.build_loss_fn(prep.model_args), cfg.compile)
         with torch.device("meta"):
             model = self.spec.model_cls(prep.model_args)
-        for moe in model.moe_layers():
-            moe.aux_loss_coeff = cfg.moe.aux_loss_coeff
+        self.spec.configure_model(model, cfg)
 
         def parallelize(part: torch.nn.Module) -> torch.nn.Module:
             return self.spec.parallelize_fn(part, self.dims, self.meshes, cfg)
@@ -228,9 +231,11 @@ class Trainer:
         self.pipeline, self.schedule, self.has_first_stage, self.has_last_stage = None, None, True, True
         if self.dims.pp_enabled:
             n_microbatches = cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
-            self._pp_loss_scale = 1.0
-            self.pipeline = build_pipeline(model, self.dims, self.meshes, cfg.parallelism, n_microbatches,
-                                           self._pipeline_loss, parallelize, device)
+            # the schedule runs backward on each microbatch's loss itself: it gets the loss already scaled
+            self.pp_loss = ScaledLoss(self.loss_fn)
+            self.pipeline = build_pipeline(model, self.spec.pipeline_units(prep.model_args), self.spec.pipeline_stage,
+                                           self.dims, self.meshes, cfg.parallelism, n_microbatches, self.pp_loss,
+                                           parallelize, device)
             self.schedule, self.model_parts = self.pipeline.schedule, self.pipeline.parts
             self.has_first_stage, self.has_last_stage = self.pipeline.has_first_stage, self.pipeline.has_last_stage
         else:
@@ -300,10 +305,6 @@ class Trainer:
             set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
         logger.info("initial weights loaded from HF checkpoint %s", path)
 
-    def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Loss of one pipeline microbatch, already scaled (the schedule runs backward on it directly)."""
-        return self.loss_fn(output, labels) * self._pp_loss_scale
-
     def _all_reduce_sum(self, t: torch.Tensor, with_pp: bool = False) -> torch.Tensor:
         """Sum over the data-parallel ranks (and over pipeline stages when only the last stage holds a value)."""
         if self.dp_group is not None:
@@ -317,12 +318,13 @@ class Trainer:
         lbs = self.cfg.training.local_batch_size
         loss_sum = torch.zeros((), device=self.device)
         model = self.model_parts[0]
+        if self.schedule is not None:
+            self.pp_loss.scale = 1.0 / global_tokens
         for start in range(0, inputs.shape[0], lbs):
             x = inputs[start:start + lbs].to(self.device)
             y = labels[start:start + lbs].to(self.device)
             if self.schedule is not None:
                 # the schedule splits the local batch into pipeline microbatches and runs forward and backward
-                self._pp_loss_scale = 1.0 / global_tokens
                 losses = [] if self.has_last_stage else None
                 self.schedule.step(*((x,) if self.has_first_stage else ()),
                                    target=y if self.has_last_stage else None, losses=losses)
@@ -342,9 +344,7 @@ class Trainer:
         cfg = self.cfg
         inputs, labels = self.train_loader.next_batch()
         global_tokens = self._all_reduce_sum(count_valid_tokens(labels).to(self.device)).item()
-        for part in self.model_parts:
-            for moe in part.moe_layers():
-                moe.aux_loss_grad_scale = 1.0 / max(global_tokens, 1)
+        self.spec.before_step(self.model_parts, global_tokens)
 
         loss_sum = self._forward_backward(inputs, labels, global_tokens)
         params = [p for part in self.model_parts for p in part.parameters()]

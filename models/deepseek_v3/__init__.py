@@ -13,9 +13,11 @@ from .args import FLAVORS, ModelArgs
 from . import hf
 from .flops import count_params, training_flops_per_token
 from .hf import load_hf_pretrained
+from .memory_plan import stage_memory
 from .model import DeepSeekV3Model, TransformerBlock
 from .moe import update_expert_bias
 from .parallelize import RECOMPUTE_MODULES, compile_units, parallelize_deepseek_v3
+from .pipeline import keep_stage, split_units
 
 
 def build_args(job_config) -> ModelArgs:
@@ -81,6 +83,19 @@ def build_loss_fn(args: ModelArgs):
     return lambda output, labels: mtp_loss(output, labels, args.mtp_loss_weight)
 
 
+def configure_model(model: DeepSeekV3Model, job_config) -> None:
+    """The sequence-wise aux-loss weight (`moe.aux_loss_coeff`) on every MoE layer of the freshly built model."""
+    for moe in model.moe_layers():
+        moe.aux_loss_coeff = job_config.moe.aux_loss_coeff
+
+
+def before_step(model_parts, global_tokens: int) -> None:
+    """The aux loss's gradient scale for this step: 1 / global valid tokens, the LM loss's normalisation."""
+    for part in model_parts:
+        for moe in part.moe_layers():
+            moe.aux_loss_grad_scale = 1.0 / max(global_tokens, 1)
+
+
 def post_optimizer_step(model_parts, job_config, dp_group) -> dict[str, float]:
     """Aux-loss-free expert-bias update (once per optimizer step) and the routing statistics to log."""
     moe_layers = [m for part in model_parts for m in part.moe_layers()]
@@ -124,13 +139,17 @@ register_model_spec(ModelSpec(
     flavors=FLAVORS,
     build_args=build_args,
     parallelize_fn=parallelize_deepseek_v3,
-    pipeline_fn=None,
     build_loss_fn=build_loss_fn,
     post_optimizer_step=post_optimizer_step,
     counts=counts,
     state_dict_adapter=hf,
     recompute_modules=RECOMPUTE_MODULES,
     compile_units=compile_units,
+    configure_model=configure_model,
+    before_step=before_step,
+    pipeline_units=split_units,
+    pipeline_stage=keep_stage,
+    memory_plan=stage_memory,
 ))
 
 __all__ = ["DeepSeekV3Model", "ModelArgs", "FLAVORS", "build_args", "load_hf_pretrained"]

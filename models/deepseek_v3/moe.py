@@ -280,7 +280,7 @@ class MoE(nn.Module):
 
     @property
     def aux_loss_grad_scale(self) -> float:
-        """Set by the trainer each step to 1 / (global valid tokens), the same normalisation as the LM loss.
+        """Set each step (the model spec's `before_step`) to 1 / (global valid tokens), the LM loss's normalisation.
 
         Held in a 0-dim tensor (float64, so the value set is the value read) rather than a Python float: the
         value changes from step to step, and torch.compile would recompile a block for every new float constant.

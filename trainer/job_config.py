@@ -1,0 +1,189 @@
+"""The job config: one section dataclass per TOML table, composed into `JobConfig`, and the checks across them.
+
+Each section lives beside the code that reads it (the table in docs/architecture.md, "Config"); this module only
+composes them, loads a job (defaults < TOML < command line, through the generic machinery of `trainer.config`)
+and checks what involves more than one section or needs the world size.
+
+Typical use in an entry point::
+
+    def main() -> None:
+        cfg = load_config(sys.argv[1:])
+        if cfg.job.print_config:
+            print(config_to_toml(cfg), end="")
+            return
+        dims = validate_job(cfg, world_size)
+        ...
+
+    if __name__ == "__main__":
+        run_with_config_errors(main)
+"""
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from parallelisms.activation_checkpoint import ActivationCheckpointSection, ac_config_problem
+from parallelisms.compile import CompileSection
+from parallelisms.fp8 import Fp8Section
+from parallelisms.moe_comm.registry import get_comm_backend
+from parallelisms.parallel_dims import ParallelDims, ParallelismSection
+from trainer.checkpoint import CheckpointSection
+from trainer.config import (ConfigError, check_fields, check_sections, config_to_toml, load, option,
+                            run_with_config_errors)
+from trainer.data import DatasetSection
+from trainer.lr_schedule import LRSchedulerSection
+from trainer.memory import MemorySection
+from trainer.metrics import MetricsSection
+from trainer.optimizer import OptimizerSection
+from trainer.registry import ModelSection, MoESection, get_model_spec
+from trainer.tokenizer import TokenizerSection
+from trainer.training_config import TrainingSection, ValidationSection
+
+
+@dataclass
+class JobSection:
+    """Where outputs go and what this invocation does."""
+
+    config_file: str = option("", cli_only=True)
+    """Path of the TOML file that was loaded (set only by `--job.config_file PATH`; empty = defaults only)."""
+    dump_folder: str = "./outputs"
+    """Root folder for everything a run writes: checkpoints, tensorboard logs, memory reports."""
+    description: str = ""
+    """Free-text description of the job, shown in logs."""
+    print_config: bool = option(False, cli_only=True)
+    """Print the merged config (defaults < TOML < CLI) as TOML and exit with status 0 without training."""
+
+
+@dataclass
+class JobConfig:
+    """The whole job: one attribute per TOML section. Pass components only their own section."""
+
+    job: JobSection = field(default_factory=JobSection)
+    """Outputs and invocation."""
+    model: ModelSection = field(default_factory=ModelSection)
+    """Model selection."""
+    training: TrainingSection = field(default_factory=TrainingSection)
+    """Run length, batch geometry, numerics."""
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    """Optimizer."""
+    lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
+    """Learning-rate schedule."""
+    dataset: DatasetSection = field(default_factory=DatasetSection)
+    """Training data."""
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    """Tokenizer."""
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    """Metrics logging."""
+    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    """Parallel degrees."""
+    activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
+    """Activation checkpointing."""
+    compile: CompileSection = field(default_factory=CompileSection)
+    """torch.compile."""
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    """Checkpointing."""
+    moe: MoESection = field(default_factory=MoESection)
+    """Mixture of experts."""
+    fp8: Fp8Section = field(default_factory=Fp8Section)
+    """FP8 training."""
+    validation: ValidationSection = field(default_factory=ValidationSection)
+    """Validation."""
+    memory: MemorySection = field(default_factory=MemorySection)
+    """Memory tracking."""
+
+
+def load_config(argv: Sequence[str]) -> JobConfig:
+    """Build the JobConfig from dataclass defaults < the TOML named by `--job.config_file` < CLI overrides.
+
+    `--help`/`-h` anywhere prints every key and raises SystemExit(0). Mistakes raise ConfigError. Checks that
+    need the world size or compare keys live in `validate_job`; checks that need the model live in the model spec.
+    """
+    return load(JobConfig, argv, config_file_key="job.config_file")
+
+
+def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """Each section's own checks, then those across sections and against the world size; returns the resolved
+    ParallelDims.
+
+    Model-dependent checks (experts divisible by EP, seq_len within the model's limit, layers per stage) are
+    the model spec's job; only the names of `activation_checkpoint.recompute_modules` are checked here, against
+    the table the spec exposes.
+    """
+    check_fields(cfg)
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    tr = cfg.training
+
+    per_step = tr.local_batch_size * dims.dp
+    if tr.global_batch_size != -1 and tr.global_batch_size % per_step:
+        raise ConfigError(
+            "training.global_batch_size",
+            f"{tr.global_batch_size} is not a multiple of local_batch_size ({tr.local_batch_size}) * "
+            f"data-parallel degree ({dims.dp}) = {per_step}",
+            f"-1 or a multiple of {per_step}",
+        )
+
+    comm_problem = get_comm_backend(cfg.parallelism.expert_parallel_comm_backend).config_problem(cfg, dims)
+    if comm_problem is not None:
+        raise ConfigError(*comm_problem)
+
+    check_sections(cfg)
+    if dims.pp_enabled:
+        _validate_pipeline(cfg, dims.pp)
+
+    if cfg.compile.enable and cfg.memory.track == "exact":
+        raise ConfigError("memory.track", "exact tracking makes compiled code run eagerly (it would silently "
+                          "measure an uncompiled run)", "auto or off with compile.enable = true")
+    if cfg.compile.enable and "model" in cfg.compile.components and not cfg.moe.use_grouped_mm:
+        raise ConfigError("moe.use_grouped_mm", "the per-expert loop syncs with the host and cannot be compiled",
+                          "true with compile.components containing model")
+    ac_problem = ac_config_problem(cfg.activation_checkpoint, _recompute_modules(cfg.model.name),
+                                   compile_model=cfg.compile.enable and "model" in cfg.compile.components)
+    if ac_problem is not None:
+        raise ConfigError(*ac_problem)
+    return dims
+
+
+def _recompute_modules(model_name: str):
+    """The model spec's recompute-name table (no model is built), or None for a model the registry does not know:
+    `trainer.train.prepare` reports that one."""
+    try:
+        return get_model_spec(model_name).recompute_modules
+    except KeyError:
+        return None
+
+
+def _validate_pipeline(cfg: JobConfig, pp: int) -> None:
+    """Pipeline checks that tie the schedule to the batch geometry and to activation checkpointing (the split
+    itself is checked by ParallelismSection.check)."""
+    tr, par = cfg.training, cfg.parallelism
+    mbs = par.pipeline_parallel_microbatch_size
+    if tr.local_batch_size % mbs:
+        raise ConfigError(
+            "training.local_batch_size",
+            f"{tr.local_batch_size} is not a multiple of parallelism.pipeline_parallel_microbatch_size ({mbs})",
+            f"a multiple of {mbs}",
+        )
+    if par.pipeline_parallel_schedule == "DualPipeV":
+        microbatches = tr.local_batch_size // mbs
+        if microbatches < 2 * pp:
+            raise ConfigError(
+                "training.local_batch_size",
+                f"gives {microbatches} pipeline microbatches but DualPipeV needs at least one per stage ({2 * pp})",
+                f"local_batch_size >= {2 * pp * mbs}",
+            )
+        if cfg.activation_checkpoint.mode != "none":
+            raise ConfigError(
+                "activation_checkpoint.mode",
+                f"{cfg.activation_checkpoint.mode!r} cannot be combined with the DualPipeV schedule",
+                "none with DualPipeV",
+            )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m trainer.job_config [--job.config_file F] [overrides]`: check a config and print it merged."""
+    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    print(config_to_toml(cfg), end="")
+
+
+if __name__ == "__main__":
+    run_with_config_errors(main)
