@@ -24,6 +24,7 @@ import dataclasses
 import gc
 import logging
 import os
+import re
 import sys
 import time
 import weakref
@@ -38,6 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from parallelisms.fp8 import dequantize, quantize  # noqa: E402
 from parallelisms.moe_comm import deepep, deepep_cpu  # noqa: E402
 from parallelisms.moe_comm.deepep import (HANDLES, DeepEPUnavailableError, HandleRegistry,  # noqa: E402
                                           deepep_available)
@@ -139,6 +141,12 @@ def _check_parity(parity: dict) -> None:
     # bf16 on the wire (what the real kernels carry) vs fp32 all-to-all: bf16 rounding only
     for name, diff in parity["bf16_wire"].items():
         assert diff <= 2e-2, (name, diff)
+    # FP8 on the wire (blockwise FP8 experts): the experts see the same values, so nothing changes at all
+    fp8 = parity["fp8_dispatch"]
+    assert fp8["max_abs_diff"] and all(d == 0.0 for d in fp8["max_abs_diff"].values()), fp8["max_abs_diff"]
+    # forward dispatch in e4m3; the backward's cached dispatch (the gradient of combine) stays fp32
+    assert fp8["wire"]["fp8_wire"] == {"accepted": True, "sent": ["torch.float8_e4m3fn", "torch.float32"]}, fp8
+    assert fp8["wire"]["fp32_wire"] == {"accepted": False, "sent": ["torch.float32", "torch.float32"]}, fp8
 
 
 def _check_paths(paths: dict) -> None:
@@ -186,11 +194,13 @@ def _check_training(train: dict, pairs: list[tuple[str, str]]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, layout, ep", [(2, "ep2", "2"), (4, "fsdp4_ep4", "4")], ids=["2ranks", "4ranks"])
 def test_ranks(tmp_path, nproc, layout, ep):
-    out = _launch(nproc, {"battery": True, "train": {
-        f"{layout}_alltoall": ["--parallelism.expert_parallel_degree", ep, "--memory.track", "off"],
-        f"{layout}_deepep": ["--parallelism.expert_parallel_degree", ep, "--memory.track", "exact",
-                             "--parallelism.expert_parallel_comm_backend", "deepep"],
-    }}, tmp_path)
+    deepep_args = ["--parallelism.expert_parallel_degree", ep, "--parallelism.expert_parallel_comm_backend", "deepep"]
+    train = {f"{layout}_alltoall": ["--parallelism.expert_parallel_degree", ep, "--memory.track", "off"],
+             f"{layout}_deepep": deepep_args + ["--memory.track", "exact"]}
+    if nproc == 2:  # FP8 dispatch through the trainer: blockwise experts, rows on the wire in e4m3 or not
+        fp8 = deepep_args + ["--memory.track", "off", "--fp8.recipe", "blockwise", "--training.steps", "2"]
+        train |= {"fp8_wire": fp8, "fp32_wire": fp8 + ["--fp8.dispatch", "false"]}
+    out = _launch(nproc, {"battery": True, "train": train}, tmp_path)
     assert out["standin_logs"] == [1] * nproc  # every rank says once that the stand-in runs
     for rank_result in out["battery"]:
         assert all(rank_result["api"].values()), rank_result["api"]
@@ -199,6 +209,14 @@ def test_ranks(tmp_path, nproc, layout, ep):
         _check_leak_is_caught(rank_result["leak"])
         _check_host_syncs(rank_result["syncs"])
     _check_training(out["train"], [(f"{layout}_deepep", f"{layout}_alltoall")])
+    if nproc == 2:
+        fp8, fp32 = out["train"]["fp8_wire"], out["train"]["fp32_wire"]
+        assert len(fp8) == 2 and fp8 == fp32, (fp8, fp32)  # every logged scalar, bit for bit
+        # one line for the fp8_wire job (rank 0), every MoE layer sending e4m3; none for fp32_wire
+        logs = out["fp8_dispatch_logs"]
+        match = len(logs) == 1 and re.fullmatch(r"fp8 dispatch: (\d+) of (\d+) MoE layers with FP8 experts send e4m3 "
+                                                r"rows \(DeepEPDispatcher\)", logs[0])
+        assert match and match[1] == match[2] and int(match[1]) > 0, logs
 
 
 # ----------------------------------------------------------------------------------------------- worker side
@@ -283,7 +301,47 @@ def _parity(mesh, rank: int) -> dict:
             got = outputs["deepep"][name]
             diffs[name] = ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
         result[label] = diffs
+    result["fp8_dispatch"] = _fp8_dispatch_parity(mesh, rank)
     return result
+
+
+def _fp8_dispatch_parity(mesh, rank: int) -> dict:
+    """One MoE layer with blockwise FP8 experts on DeepEP, rows sent as e4m3 vs in fp32: max |difference| of the
+    output and every gradient (the experts quantise the same 1 x 128 tiles, so 0), and what went on the wire."""
+    from models.common.grouped_mm import QUANTIZED_MM
+    from models.deepseek_v3.moe import MoE
+    from parallelisms.expert_parallel import apply_expert_parallel
+    from parallelisms.fp8 import Fp8GroupedMM
+
+    args = dataclasses.replace(_moe_args(), dim=256, moe_inter_dim=128)  # FP8 tiles: multiples of 128
+    torch.manual_seed(0)
+    reference = MoE(args)
+    _init(reference, 0)
+    outputs, wire = {}, {}
+    original = deepep_cpu.Buffer.dispatch
+    for label in ("fp32_wire", "fp8_wire"):
+        moe = copy.deepcopy(reference)
+        setattr(moe.experts, QUANTIZED_MM, Fp8GroupedMM("blockwise"))
+        apply_expert_parallel([moe], mesh, "deepep", args.dim, torch.float32)
+        wire[label] = {"accepted": moe.dispatcher.quantize_wire(128) if label == "fp8_wire" else False, "sent": []}
+
+        def spy(self, x, *a, _sent=wire[label]["sent"], **kw):
+            _sent.append(str(x[0].dtype) if isinstance(x, tuple) else str(x.dtype))
+            return original(self, x, *a, **kw)
+
+        deepep_cpu.Buffer.dispatch = spy
+        try:
+            gen = torch.Generator().manual_seed(100 + rank)
+            x = torch.randn(2, 16, args.dim, generator=gen).requires_grad_(True)
+            out = moe(x)
+            (out * torch.randn(out.shape, generator=gen)).sum().backward()
+        finally:
+            deepep_cpu.Buffer.dispatch = original
+        outputs[label] = {"out": out.detach(), "x.grad": x.grad,
+                          **{n: _local_grad(p) for n, p in moe.named_parameters()}}
+    diffs = {name: (outputs["fp8_wire"][name] - want).abs().max().item()
+             for name, want in outputs["fp32_wire"].items()}
+    return {"max_abs_diff": diffs, "wire": wire}
 
 
 def _ac_config(mode: str, save_deepep: bool = True, early_stop: bool = False):
@@ -480,8 +538,9 @@ def _api_checks(rank: int) -> dict:
         return (r * 1000 + torch.arange(T, dtype=torch.float32)).unsqueeze(1).expand(T, H).contiguous()
 
     cls = deepep_cpu.Buffer
-    hint = cls.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 4, R)
-    buffer = cls(group, max(hint, cls.get_combine_config(R).get_nvl_buffer_size_hint(H * 4, R)), 0)
+    H_FP8 = deepep_cpu.FP8_BLOCK  # FP8 rows: one scale per 128 values
+    hint = cls.get_dispatch_config(R).get_nvl_buffer_size_hint(H_FP8 * 4, R)
+    buffer = cls(group, max(hint, cls.get_combine_config(R).get_nvl_buffer_size_hint(H_FP8 * 4, R)), 0)
     idx, w = routing(rank)
     x = tokens(rank)
     per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(idx, E)
@@ -519,9 +578,13 @@ def _api_checks(rank: int) -> dict:
     aligned = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, expert_alignment=4)[3]
     checks["alignment"] = all(a % 4 == 0 and a - 4 < c <= a or a == c == 0 for a, c in zip(aligned, counts))
+    checks["fp8_dispatch"] = _fp8_dispatch_checks(buffer, rank, (per_rank, in_rank, per_expert, idx, w), handle)
     rejected = []
+    fp8_rows, fp8_scales = quantize(torch.randn(T, H_FP8), 1, H_FP8)
     for bad in (lambda: buffer.dispatch(x.half(), handle=handle), lambda: buffer.get_dispatch_layout(idx.int(), E),
-                lambda: buffer.dispatch(x[:, :3].contiguous(), handle=handle)):
+                lambda: buffer.dispatch(x[:, :3].contiguous(), handle=handle),
+                lambda: buffer.dispatch((fp8_rows, fp8_scales[:, :0].contiguous()), handle=handle),
+                lambda: buffer.dispatch((fp8_rows.float(), fp8_scales), handle=handle)):
         try:
             bad()
         except (TypeError, ValueError):
@@ -531,8 +594,31 @@ def _api_checks(rank: int) -> dict:
         buffer.combine(recv_x, handle)
     except RuntimeError:
         rejected.append(True)
-    checks["rejects"] = rejected == [True] * 4
+    checks["rejects"] = rejected == [True] * 6
     return checks
+
+
+def _fp8_dispatch_checks(buffer, rank: int, layout: tuple, handle: tuple) -> bool:
+    """DeepEP's FP8 dispatch on the stand-in: (e4m3 rows, fp32 scales per 1 x 128 tile) in, the same tuple out for
+    the rows a plain dispatch of the dequantised values delivers, in layout and in cached mode."""
+    per_rank, in_rank, per_expert, idx, w = layout
+    T, H = idx.shape[0], deepep_cpu.FP8_BLOCK
+    gen = torch.Generator().manual_seed(rank)
+    # rows of very different magnitudes, so that every tile gets its own scale
+    x = torch.randn(T, 2 * H, generator=gen) * torch.logspace(-3, 3, T).unsqueeze(1)
+    rows, scales = quantize(x, 1, H)
+    exact = dequantize(rows, scales, 1, H)
+    kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+              topk_weights=w)
+    (recv_rows, recv_scales), *rest = buffer.dispatch((rows, scales), **kw)
+    plain, *plain_rest = buffer.dispatch(exact, **kw)
+    cached_rows, cached_scales = buffer.dispatch((rows, scales), handle=handle)[0]
+    same_layout = (torch.equal(rest[0], plain_rest[0]) and torch.equal(rest[1], plain_rest[1])
+                   and rest[2] == plain_rest[2])
+    return (recv_rows.dtype == torch.float8_e4m3fn and recv_scales.dtype == torch.float32
+            and tuple(recv_scales.shape) == (plain.shape[0], 2) and same_layout
+            and torch.equal(dequantize(recv_rows, recv_scales, 1, H), plain)
+            and torch.equal(dequantize(cached_rows, cached_scales, 1, H), plain))
 
 
 def _battery(rank: int) -> dict:
@@ -584,14 +670,31 @@ def _worker(jobs_path: str, out_path: str) -> None:
     from dist_worker import worker_session
 
     standin_logs = _StandinLogCounter()
+    fp8_dispatch_logs = _Messages("models.deepseek_v3.parallelize", "fp8 dispatch")
     with worker_session(jobs_path, out_path) as (jobs, out):
         if jobs.get("battery"):
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, _battery(dist.get_rank()))
             out["battery"] = gathered
         out["train"] = _train(jobs.get("train", {}))
+        out["fp8_dispatch_logs"] = fp8_dispatch_logs.messages
         out["standin_logs"] = [None] * dist.get_world_size()
         dist.all_gather_object(out["standin_logs"], standin_logs.count)
+
+
+class _Messages(logging.Handler):
+    """The log messages of logger `name` (this process, INFO and up) that contain `text`."""
+
+    def __init__(self, name: str, text: str):
+        super().__init__()
+        self.text, self.messages = text, []
+        source = logging.getLogger(name)
+        source.setLevel(logging.INFO)
+        source.addHandler(self)
+
+    def emit(self, record):
+        if self.text in record.getMessage():
+            self.messages.append(record.getMessage())
 
 
 class _StandinLogCounter(logging.Handler):

@@ -38,7 +38,8 @@ class TokenDispatcher:
     `cls(group, num_experts)` for every MoE layer, with `group` the EP process group. Besides `dispatch` and
     `combine` it may override the lifecycle hooks below (defaults: nothing to do): `setup` (process-wide state
     such as comm buffers, before the first forward), `ac_ops` (its ops, for selective activation checkpointing),
-    `metrics` (scalars the trainer logs every step) and `config_problem` (config checks before launch).
+    `quantize_wire` (FP8 rows on the wire), `metrics` (scalars the trainer logs every step) and `config_problem`
+    (config checks before launch).
     """
 
     #: number of experts that live on this rank (set by the backend from the EP degree)
@@ -65,6 +66,16 @@ class TokenDispatcher:
         outside any activation-checkpointed region (ops run there would enter the SAC cache); must be cheap when
         the state already fits. Collective over the EP group when it creates something.
         """
+
+    def quantize_wire(self, block: int) -> bool:
+        """Send the dispatched rows as e4m3 with one fp32 scale per 1 x `block` tile, if this backend can; returns
+        whether it will. `dispatch` still returns the rows in the compute dtype (dequantised on arrival).
+
+        Called by a model's plan when the routed experts quantise their inputs in the same 1 x `block` tiles
+        (the blockwise FP8 recipe): the experts then see the same values, and only the bytes on the wire change.
+        Default: the backend cannot, and sends the compute dtype.
+        """
+        return False
 
     @classmethod
     def metrics(cls) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 Order (per pipeline stage; pipeline splitting happens before this, in `parallelisms/pipeline.py`):
 
-    expert parallel -> FP8 conversion -> activation checkpointing -> compile -> FSDP
+    expert parallel -> FP8 conversion (and FP8 dispatch with it) -> activation checkpointing -> compile -> FSDP
 
 FSDP comes last so that its hooks wrap the checkpointed and compiled blocks. `parallelisms/` holds the generic
 `apply_*` functions; this module builds their inputs from the model (the recompute-name table, the compile units,
@@ -26,15 +26,20 @@ Compile units, chosen per block by whether its token dispatcher can be traced:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from models.common.grouped_mm import QUANTIZED_MM
 from parallelisms.activation_checkpoint import ScopeRule, apply_ac
 from parallelisms.compile import CompileUnit, apply_compile
 from parallelisms.expert_parallel import apply_expert_parallel
-from parallelisms.fp8 import apply_fp8
+from parallelisms.fp8 import BLOCK, apply_fp8
 from parallelisms.fsdp import FSDPUnit, apply_fsdp
+
+logger = logging.getLogger(__name__)
 
 #: Megatron-Core `--recompute-modules` names (`activation_checkpoint.recompute_modules`) and what they recompute
 #: in a DeepSeek-V3 block: module names are FQN suffixes inside a block.
@@ -67,6 +72,8 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job_config)
         dtype = torch.bfloat16 if job_config.training.dtype == "bfloat16" else torch.float32
         apply_expert_parallel(model.moe_layers(), meshes.ep, par.expert_parallel_comm_backend, model.args.dim, dtype)
     apply_fp8(model, job_config.fp8)
+    if parallel_dims.ep_enabled:
+        quantize_dispatch(model, job_config.fp8)
     checkpoint_model(model, job_config.activation_checkpoint)
     compile_model(model, job_config.compile)
     if parallel_dims.dp_enabled:
@@ -74,6 +81,20 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job_config)
                                                         not parallel_dims.pp_enabled)
         shard_model(model, meshes, job_config.training.dtype, job_config.training.mixed_precision_reduce, reshard)
     return model
+
+
+def quantize_dispatch(model: nn.Module, fp8_cfg) -> int:
+    """With the blockwise recipe and `fp8.dispatch`, ask the dispatcher of every MoE layer whose routed experts run
+    in FP8 to send their inputs as e4m3 in the experts' own 1 x 128 tiles; returns how many layers will."""
+    if fp8_cfg.recipe != "blockwise" or not fp8_cfg.dispatch:
+        return 0
+    fp8_layers = [moe for moe in model.moe_layers() if getattr(moe.experts, QUANTIZED_MM, None) is not None]
+    quantized = sum(moe.dispatcher.quantize_wire(BLOCK) for moe in fp8_layers)
+    if fp8_layers:
+        backend = type(fp8_layers[0].dispatcher).__name__
+        logger.info("fp8 dispatch: %d of %d MoE layers with FP8 experts send e4m3 rows (%s)%s", quantized,
+                    len(fp8_layers), backend, "" if quantized else "; this backend sends the compute dtype")
+    return quantized
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

@@ -4,7 +4,9 @@ Path of the tokens (one MoE layer, EP group of R ranks, E experts, E/R local):
     dispatch: x to the wire dtype -> torch.ops.deepep.dispatch (layout, then DeepEP dispatch: each token once
       to every rank owning one of its experts; returns received tokens, their local top-k ids and weights,
       per-expert counts and a handle id) -> expand each received token once per local expert it chose, grouped
-      by local expert (the experts' layout)
+      by local expert (the experts' layout). With `quantize_wire` (the blockwise FP8 recipe), x travels as e4m3
+      with one fp32 scale per 1 x 128 tile, as DeepEP's FP8 dispatch takes it (DeepSeek-V3 does the same), and
+      is dequantised on arrival; the backward (a combine) stays in the compute dtype.
     combine: sum the expanded rows back per received token -> torch.ops.deepep.combine (rows home, summed per
       token, no weights: the MoE multiplied them in already)
 
@@ -50,6 +52,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from models.common.token_dispatch import Dispatched, TokenDispatcher
+from parallelisms.fp8 import dequantize, quantize
 from parallelisms.moe_comm import deepep_cpu
 from parallelisms.moe_comm.registry import register_comm_backend
 
@@ -237,19 +240,25 @@ HANDLES = HandleRegistry()
 # ----------------------------------------------------------------------------------------------- the custom ops
 
 @torch.library.custom_op("deepep::dispatch", mutates_args=())
-def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int, group_key: str
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int, group_key: str,
+                 fp8_block: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     """Layout + DeepEP dispatch. Returns (recv_x, recv_topk_idx (local ids, -1 elsewhere), recv_topk_weights,
     received tokens per local expert (CPU int64), handle id (CPU int64 scalar), the handle's tensors).
+
+    With `fp8_block` > 0, x travels as (e4m3 rows, fp32 scales per 1 x fp8_block tile) and recv_x comes back
+    dequantised, in x's dtype; gradients pass straight through (the experts quantise the same tiles themselves).
 
     The handle's tensors are returned only so that whoever watches ops (the exact memory tracker) sees memory
     this op allocates and something keeps alive; the caller drops them and keeps the id.
     """
     buffer = BUFFERS.lookup(group_key)
     per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    wire_x = quantize(x, 1, fp8_block) if fp8_block else x
     recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+        wire_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+    if fp8_block:
+        recv_x = dequantize(*recv_x, 1, fp8_block, x.dtype)
     handle_id = HANDLES.add(tuple(handle), group_key)
     return (recv_x, recv_idx, recv_w, torch.tensor(counts, dtype=torch.int64),
             torch.tensor(handle_id, dtype=torch.int64), [t for t in handle if isinstance(t, Tensor)])
@@ -289,7 +298,7 @@ def _dispatch_backward(ctx, grad_recv_x, grad_recv_idx, grad_recv_w, grad_counts
     grad_w = grad_recv_w.contiguous() if ctx.needs_input_grad[2] else None
     grad_x, grad_topk_w, _ = BUFFERS.lookup(handle.group_key).combine(
         grad_recv_x.contiguous(), handle.tensors, topk_weights=grad_w)
-    return grad_x, None, grad_topk_w, None, None
+    return grad_x, None, grad_topk_w, None, None, None
 
 
 def _combine_setup_context(ctx, inputs, output) -> None:
@@ -372,12 +381,20 @@ class DeepEPDispatcher(TokenDispatcher):
         self.num_local_experts = num_experts // self.ep
         self.group_key = group.group_name
         self._standin = _uses_standin(group)
+        self.fp8_block = 0  # > 0: rows travel as e4m3 with a scale per 1 x fp8_block tile (quantize_wire)
 
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """dtype the token rows travel in for a model computing in `dtype`."""
         if self._standin and dtype in (torch.float32, torch.bfloat16):
             return dtype
         return torch.bfloat16
+
+    def quantize_wire(self, block: int) -> bool:
+        """FP8 dispatch with one scale per 1 x `block` tile: DeepEP's kernels take 1 x 128 tiles only."""
+        if block != deepep_cpu.FP8_BLOCK:
+            return False
+        self.fp8_block = block
+        return True
 
     def setup(self, hidden_dim: int, dtype: torch.dtype) -> None:
         """Create the DeepEP buffer of the EP group now (collective over the group), sized for rows of `hidden_dim`
@@ -389,9 +406,11 @@ class DeepEPDispatcher(TokenDispatcher):
         # num_tokens_per_expert is not needed: DeepEP's layout kernel counts on the device itself
         wire = self.wire_dtype(x_TD.dtype)
         BUFFERS.get(self.group, x_TD.shape[1] * max(wire.itemsize, 2), lazy=True)
+        # FP8 rows are quantised from the compute dtype, as the experts would quantise them
+        x_in = x_TD if self.fp8_block else x_TD.to(wire)
         recv_x_MD, recv_idx_MK, recv_w_MK, counts_E, handle_id, _ = torch.ops.deepep.dispatch(
-            x_TD.to(wire).contiguous(), topk_idx_TK.contiguous(), topk_weights_TK.float().contiguous(),
-            self.num_experts, self.group_key)
+            x_in.contiguous(), topk_idx_TK.contiguous(), topk_weights_TK.float().contiguous(),
+            self.num_experts, self.group_key, self.fp8_block)
         M, K = recv_idx_MK.shape
         N = sum(counts_E.tolist())  # a CPU tensor: DeepEP already synced the counts to the host
         # group the (token, slot) pairs by local expert; slots of other ranks (-1) sort last and are cut off

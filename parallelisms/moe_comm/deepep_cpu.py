@@ -17,9 +17,11 @@ machine without GPUs. It keeps DeepEP's interface as the backend sees it:
   combine and a cached dispatch need, so a handle that is never released is a memory leak here too.
 
 Documented relaxations and omissions:
-* x may be fp32 as well as bf16 (DeepEP takes bf16 or an FP8 tuple), so an fp32 model reproduces the all-to-all
-  backend's numbers exactly; combine accumulates in fp32 and returns x's dtype, as DeepEP does for bf16.
-* FP8 inputs, `num_worst_tokens`, internode (RDMA) ranks, low-latency kernels: not emulated (NotImplementedError).
+* dispatch takes x as bf16 or, as DeepEP does, as an FP8 tuple (e4m3 rows [T, hidden], fp32 scales
+  [T, hidden / 128], one per 1 x 128 tile) and then returns recv_x as such a tuple. x may also be fp32 (a
+  relaxation), so an fp32 model reproduces the all-to-all backend's numbers exactly; combine accumulates in fp32
+  and returns x's dtype, as DeepEP does for bf16.
+* `num_worst_tokens`, internode (RDMA) ranks, low-latency kernels: not emulated (NotImplementedError).
 * Work is synchronous: `async_finish`/`allocate_on_comm_stream` are accepted and the returned events are already
   complete (`EventOverlap.current_stream_wait()` returns at once).
 * Rank counts: 2, 4 or 8 (DeepEP's intranode sizes); the config tables hold DeepEP V1's values for them.
@@ -32,7 +34,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["Buffer", "Config", "EventOverlap"]
+__all__ = ["FP8_BLOCK", "Buffer", "Config", "EventOverlap"]
+
+#: FP8 dispatch: one fp32 scale per this many values of a row (DeepEP's kernels fix it at 128)
+FP8_BLOCK = 128
 
 #: tokens a Config's buffers hold per channel and peer carry this much beyond the hidden bytes: top-k ids (int64)
 #: and weights (fp32) for up to 128 experts, 128 fp32 FP8 scales, and an 8-byte source record
@@ -179,28 +184,31 @@ class Buffer:
 
         Received tokens come grouped by source rank, each group in the source's token order. With `handle` (cached
         mode) the layout of an earlier dispatch is reused and only x travels: (recv_x, None, None, None, None,
-        event); this is the backward of combine.
+        event); this is the backward of combine. x is a tensor, or an FP8 tuple (rows, scales); recv_x is then a
+        tuple too.
         """
         self._check_live()
-        if isinstance(x, tuple):
-            raise NotImplementedError("FP8 dispatch (an (x, scales) tuple) is not emulated by the CPU stand-in")
         if num_worst_tokens:
             raise NotImplementedError("num_worst_tokens is not emulated by the CPU stand-in")
         config = config if config is not None else self.get_dispatch_config(self.group_size)
-        _check_x(x)
-        self._check_size(config, x)
+        if isinstance(x, tuple):
+            _check_fp8_x(*x)
+        else:
+            _check_x(x)
+        rows = x[0] if isinstance(x, tuple) else x
+        self._check_size(config, rows)
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("cached dispatch (handle=...) takes no topk_idx/topk_weights")
             rank_prefix_matrix, _, _, recv_src_idx, is_token_in_rank, _ = handle
-            recv_x = self._send_rows(x[_send_order(is_token_in_rank)[1]], is_token_in_rank, rank_prefix_matrix)
-            if recv_x.shape[0] != recv_src_idx.shape[0]:
+            recv_x = self._send_x(x, _send_order(is_token_in_rank)[1], is_token_in_rank, rank_prefix_matrix)
+            if (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0] != recv_src_idx.shape[0]:
                 raise RuntimeError("cached dispatch received a different token count than the handle's dispatch")
             return recv_x, None, None, None, None, EventOverlap()
 
         if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
             raise ValueError("dispatch without a handle needs the layout (see get_dispatch_layout)")
-        R, me, T = self.group_size, self.rank, x.shape[0]
+        R, me, T = self.group_size, self.rank, rows.shape[0]
         if is_token_in_rank.shape != (T, R):
             raise ValueError(f"is_token_in_rank must be [{T}, {R}], got {list(is_token_in_rank.shape)}")
         E = num_tokens_per_expert.numel()
@@ -220,7 +228,7 @@ class Buffer:
         recv_channel_prefix_matrix = torch.stack([g[R + E:].view(R, -1)[me] for g in gathered])
 
         send_rank, send_token = _send_order(is_token_in_rank)
-        recv_x = self._send_rows(x[send_token], is_token_in_rank, rank_prefix_matrix)
+        recv_x = self._send_x(x, send_token, is_token_in_rank, rank_prefix_matrix)
         # which source token each received row is: the index travels with the row
         recv_src_idx = self._send_rows(send_token.to(torch.int32), is_token_in_rank, rank_prefix_matrix)
         recv_topk_idx = recv_topk_weights = None
@@ -287,6 +295,17 @@ class Buffer:
         column = rank_prefix_matrix[:, self.rank]
         return torch.diff(column, prepend=column.new_zeros(1)).tolist()
 
+    def _send_x(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], send_token: torch.Tensor,
+                is_token_in_rank: torch.Tensor, rank_prefix_matrix: torch.Tensor):
+        """x's rows `send_token` (in send order) to their ranks; an FP8 tuple travels as its bytes and its scales."""
+        if not isinstance(x, tuple):
+            return self._send_rows(x[send_token], is_token_in_rank, rank_prefix_matrix)
+        rows, scales = x
+        # gloo has no float8 type: the e4m3 bytes travel as uint8, one byte per value as on DeepEP's wire
+        recv_rows = self._send_rows(rows.view(torch.uint8)[send_token], is_token_in_rank, rank_prefix_matrix)
+        recv_scales = self._send_rows(scales[send_token], is_token_in_rank, rank_prefix_matrix)
+        return recv_rows.view(rows.dtype), recv_scales
+
     def _send_rows(self, rows: torch.Tensor, is_token_in_rank: torch.Tensor,
                    rank_prefix_matrix: torch.Tensor) -> torch.Tensor:
         """All-to-all rows already laid out in send order (destination rank, then token)."""
@@ -340,6 +359,17 @@ def _check_x(x: torch.Tensor) -> None:
         raise TypeError(f"x must be bf16 (DeepEP) or fp32 (stand-in relaxation), got {x.dtype}")
     if (x.shape[1] * x.element_size()) % 16:
         raise ValueError(f"hidden * element size must be a multiple of 16 bytes, got {x.shape[1] * x.element_size()}")
+
+
+def _check_fp8_x(rows: torch.Tensor, scales: torch.Tensor) -> None:
+    if rows.dim() != 2 or not rows.is_contiguous() or rows.dtype != torch.float8_e4m3fn:
+        raise TypeError("FP8 dispatch: the rows must be a contiguous [tokens, hidden] float8_e4m3fn tensor")
+    T, H = rows.shape
+    if H % FP8_BLOCK:
+        raise ValueError(f"FP8 dispatch: hidden must be a multiple of {FP8_BLOCK}, got {H}")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (T, H // FP8_BLOCK):
+        raise ValueError(f"FP8 dispatch: scales must be fp32 [{T}, {H // FP8_BLOCK}] (one per 1 x {FP8_BLOCK} tile), "
+                         f"got {scales.dtype} {list(scales.shape)}")
 
 
 def _check_topk_idx(topk_idx: torch.Tensor) -> None:
