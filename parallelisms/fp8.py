@@ -56,8 +56,9 @@ class Fp8Section:
     DeepSeek flavors, is not a multiple of 128)."""
     dispatch: bool = True
     """With the blockwise recipe and FP8 routed experts, expert parallelism sends the experts' inputs as e4m3 with
-    one scale per 1x128 tile where the comm backend can (deepep, as DeepSeek-V3 does; combine and the backward
-    stay in the compute dtype): about half the bytes of bf16, and the experts see the same values."""
+    one scale per 1x128 tile, as DeepSeek-V3 does, where the comm backend supports it (the log says whether it
+    does; combine and the backward stay in the compute dtype): about half the bytes of bf16, and the experts see
+    the same values."""
 
 
 __all__ = ["BLOCK", "E4M3_MAX", "Fp8Section", "RECIPES", "Fp8GroupedMM", "Fp8Linear", "apply_fp8", "dequantize",

@@ -539,8 +539,9 @@ def _api_checks(rank: int) -> dict:
 
     cls = deepep_cpu.Buffer
     H_FP8 = deepep_cpu.FP8_BLOCK  # FP8 rows: one scale per 128 values
-    hint = cls.get_dispatch_config(R).get_nvl_buffer_size_hint(H_FP8 * 4, R)
-    buffer = cls(group, max(hint, cls.get_combine_config(R).get_nvl_buffer_size_hint(H_FP8 * 4, R)), 0)
+    widest = 2 * H_FP8 * 4  # the FP8 check's fp32 rows of two tiles
+    hint = cls.get_dispatch_config(R).get_nvl_buffer_size_hint(widest, R)
+    buffer = cls(group, max(hint, cls.get_combine_config(R).get_nvl_buffer_size_hint(widest, R)), 0)
     idx, w = routing(rank)
     x = tokens(rank)
     per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(idx, E)
