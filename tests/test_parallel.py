@@ -98,6 +98,11 @@ def test_four_ranks_pipeline_with_fsdp_and_ep(tmp_path, reference):
     _assert_parity(results, reference)
 
 
+def _sharding(row: dict, suffix: str) -> list[int] | None:
+    """Local shape of the sharding example named `*suffix` in a dry-run row, or None."""
+    return next((e["local_shape"] for e in row["shardings"] if e["example"].endswith(suffix)), None)
+
+
 def test_dry_run_16b_on_16_and_671b_on_512(capsys):
     from trainer.dry_run import report
 
@@ -105,7 +110,8 @@ def test_dry_run_16b_on_16_and_671b_on_512(capsys):
     rows = report(cfg16, 16)
     assert [r["rank"] for r in rows] == [0, 8]  # one rank per pipeline stage
     # 64 experts over ep=8: 8 local experts; every rank of a stage holds 1/8 of its dense weights
-    assert all("local (8, 1408, 2048)" in r["expert_w1"] for r in rows)
+    assert all(_sharding(r, "experts.w1") == [8, 1408, 2048] for r in rows)
+    assert _sharding(rows[0], "tok_embeddings.weight") == [102400 // 8, 2048]
     assert rows[0]["stages"] == ["tok_embeddings layers.0-13"] and rows[1]["stages"] == ["layers.14-26 norm output"]
     from models.deepseek_v3.flops import count_params
     from models.deepseek_v3.args import FLAVORS
@@ -116,7 +122,7 @@ def test_dry_run_16b_on_16_and_671b_on_512(capsys):
     rows = report(cfg671, 512)
     assert len(rows) == 8 and rows[-1]["rank"] == 448
     # 256 experts / ep 32 = 8 per EP rank, FSDP-sharded again over efsdp = 64 / 32 = 2
-    assert all("local (4, 2048, 7168)" in r["expert_w1"] for r in rows)
+    assert all(_sharding(r, "experts.w1") == [4, 2048, 7168] for r in rows)
     assert sum(r["params"] for r in rows) * 64 == pytest.approx(count_params(FLAVORS["671B"]).total, rel=0.01)
 
 

@@ -4,7 +4,8 @@
 (or `./run_train.sh --parallelism.dry_run true` with NGPU set) validates the degrees, then, for one rank per
 pipeline stage, joins a fake process group as that rank, builds the real meshes, the pipeline split, expert
 parallelism and FSDP on a meta-device model (no memory), and prints what that rank would hold: parameters (fp32
-master weights), gradients and AdamW state in bytes, plus the placements of an expert and a dense weight.
+master weights), gradients and AdamW state in bytes, plus each distinct sharding of its parameters (mesh
+dimensions and placements) with how many parameters have it and the first of them with its local shape.
 """
 
 from __future__ import annotations
@@ -27,10 +28,16 @@ def _local_numel(p: torch.Tensor) -> int:
     return (p.to_local() if isinstance(p, DTensor) else p).numel()
 
 
-def _placements(p: torch.Tensor) -> str:
-    if not isinstance(p, DTensor):
-        return "plain"
-    return f"{tuple(p.device_mesh.mesh_dim_names)} {p.placements} local {tuple(p.to_local().shape)}"
+def _shardings(named: list[tuple[str, torch.Tensor]]) -> list[dict]:
+    """One entry per distinct sharding (mesh dimensions and placements) in parameter order: the sharding, how many
+    parameters have it, and the first of them with its local shape."""
+    found: dict[str, dict] = {}
+    for name, p in named:
+        key = f"{tuple(p.device_mesh.mesh_dim_names)} {p.placements}" if isinstance(p, DTensor) else "plain"
+        entry = found.setdefault(key, {"sharding": key, "params": 0, "example": name,
+                                       "local_shape": list((p.to_local() if isinstance(p, DTensor) else p).shape)})
+        entry["params"] += 1
+    return list(found.values())
 
 
 def inspect_rank(cfg, world_size: int, rank: int) -> dict:
@@ -53,10 +60,10 @@ def inspect_rank(cfg, world_size: int, rank: int) -> dict:
         else:
             parts, stages = [model], ["all"]
         parts = [spec.parallelize_fn(part, dims, meshes, cfg) for part in parts]
-        named = [(n, p) for part in parts for n, p in part.named_parameters()]
+        # parameters under their state_dict keys: the names checkpoints use, without the wrappers' prefixes
+        named = [(k, t) for part in parts for k, t in part.state_dict(keep_vars=True).items()
+                 if isinstance(t, torch.nn.Parameter)]
         numel = sum(_local_numel(p) for _, p in named)
-        expert = next((p for n, p in named if n.endswith("experts.w1")), None)
-        dense = next((p for n, p in named if n.endswith("attention.wo.weight")), None)
         return {
             "rank": rank,
             "coords": dict(zip(meshes.world.mesh_dim_names, meshes.world.get_coordinate())),
@@ -66,8 +73,7 @@ def inspect_rank(cfg, world_size: int, rank: int) -> dict:
             "grad_bytes": 4 * numel,
             "optimizer_bytes": 8 * numel,
             "total_bytes": 16 * numel,
-            "expert_w1": _placements(expert) if expert is not None else None,
-            "dense_wo": _placements(dense) if dense is not None else None,
+            "shardings": _shardings(named),
         }
     finally:
         dist.destroy_process_group()
@@ -107,10 +113,9 @@ def print_report(rows: list[dict], world_size: int, cfg) -> None:
         print(f"    params {r['params'] / 1e9:.3f}B: weights {r['param_bytes'] / gib:.2f} GiB + grads "
               f"{r['grad_bytes'] / gib:.2f} GiB + AdamW {r['optimizer_bytes'] / gib:.2f} GiB = "
               f"{r['total_bytes'] / gib:.2f} GiB (fp32, before activations)")
-        if r["expert_w1"]:
-            print(f"    experts.w1: {r['expert_w1']}")
-        if r["dense_wo"]:
-            print(f"    attention.wo: {r['dense_wo']}")
+        for entry in r["shardings"]:
+            print(f"    {entry['sharding']}: {entry['params']} parameters, e.g. {entry['example']} local "
+                  f"{tuple(entry['local_shape'])}")
 
 
 def _main(argv: list[str]) -> None:
