@@ -33,6 +33,7 @@ def _model_tensors(ckpt_dir, tmp_path):
     return torch.load(out, weights_only=False)["model"]
 
 
+@pytest.mark.slow
 def test_resume_is_exact_and_data_neither_repeats_nor_skips(tmp_path, monkeypatch):
     straight = run(_cfg(tmp_path / "straight", "--training.steps", "10"))
     original = Trainer.train_step
@@ -55,6 +56,7 @@ def test_resume_is_exact_and_data_neither_repeats_nor_skips(tmp_path, monkeypatc
     assert any(k.endswith("moe.expert_bias") for k in a)
 
 
+@pytest.mark.slow
 def test_resume_with_more_steps_follows_the_new_lr_schedule(tmp_path, monkeypatch, caplog):
     """5 steps, then the same run resumed to 10, against 10 straight: from step 6 on, the same LR (the one the
     optimizer steps with and the one logged) and, deterministic, the same losses. The losses match because the
@@ -113,6 +115,7 @@ def test_lr_schedule_state_is_its_position_and_names_what_changed():
     assert plain.resume_changes == []
 
 
+@pytest.mark.slow
 def test_interrupted_save_is_never_picked_and_keep_latest_k(tmp_path, caplog):
     run(_cfg(tmp_path, "--training.steps", "10", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2"))
     folder = tmp_path / "checkpoint"
@@ -134,6 +137,7 @@ def test_interrupted_save_is_never_picked_and_keep_latest_k(tmp_path, caplog):
                        "resuming from step-10"]
 
 
+@pytest.mark.slow
 def test_model_only_last_save_in_bf16(tmp_path):
     """The model-only export holds the model alone, every tensor the full checkpoint's fp32 one cast to bf16 (the
     runs are deterministic, so both trained the same weights)."""
@@ -150,6 +154,7 @@ def test_model_only_last_save_in_bf16(tmp_path):
         assert want.dtype == torch.float32 and torch.equal(export["model"][key], want.to(torch.bfloat16)), key
 
 
+@pytest.mark.slow
 def test_initial_load_from_native_checkpoint(tmp_path):
     run(_cfg(tmp_path / "a", "--training.steps", "5"))
     seed = str(tmp_path / "a" / "checkpoint" / "step-5")

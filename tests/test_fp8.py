@@ -372,6 +372,7 @@ def test_rowwise_linears_are_torchaos_within_bound():
                    "wgrad")
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_master_weights_and_resumes_with_another_recipe(tmp_path):
     """A blockwise run's checkpoint has exactly the keys of a high-precision one, and a run resumes from it with
     recipe none (and would with any other)."""

@@ -381,6 +381,7 @@ def _tensors(root: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_cli_round_trip_through_dcp(tmp_path):
     args = OUR_TINY.replace(num_mtp_layers=1)
     save_hf_checkpoint(build_ours(args), args, tmp_path / "hf", max_shard_bytes=64 * 1024)

@@ -269,6 +269,7 @@ def test_leak_handle_cache_popped_only_in_backward_leaks_in_validation(small_mod
     assert detector.alarm.slope_bytes_per_step == 64 * 3 * (4 + 8)
 
 
+@pytest.mark.slow
 def test_clean_run_of_50_steps_never_alarms(small_model_config, tmp_path):
     trainer = make_trainer(small_model_config, tmp_path, "--training.steps", "50", "--validation.enable", "true",
                            "--validation.freq", "5", "--memory.leak_threshold_MiB_per_step", "1e-6")

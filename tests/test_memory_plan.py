@@ -56,6 +56,7 @@ def test_cli_json_one_rank():
     assert rank["params"] == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("toml, world, n_stages", [("deepseek_v3_16b.toml", 16, 2), ("deepseek_v3_671b.toml", 512, 8)])
 def test_large_layouts_match_dry_run(toml, world, n_stages):
     cfg = load_config(["--job.config_file", os.path.join(CONFIGS, toml)])

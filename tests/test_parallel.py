@@ -103,6 +103,7 @@ def _sharding(row: dict, suffix: str) -> list[int] | None:
     return next((e["local_shape"] for e in row["shardings"] if e["example"].endswith(suffix)), None)
 
 
+@pytest.mark.slow
 def test_dry_run_16b_on_16_and_671b_on_512(capsys):
     from trainer.dry_run import report
 

@@ -46,6 +46,7 @@ def _launch(nproc: int, code: int) -> tuple[int, str]:
     return r.returncode, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
 def test_a_distributed_process_ends_with_its_code_and_its_output():
     rc, out = _launch(2, 0)

@@ -259,6 +259,7 @@ def test_cuda_profile_parsing_on_stand_in_events():
     assert split["busy_s"] == pytest.approx(3.7e-3) and split["idle_s"] == pytest.approx(6.3e-3)
 
 
+@pytest.mark.slow
 def test_smoke_report_schema():
     report = _run_json("benchmarks/throughput.py", timeout=120)
     check_throughput_report(report, world_size=1, ep=1, memory_track="exact")

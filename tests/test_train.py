@@ -30,6 +30,7 @@ def _messages(caplog, pattern):
     return [r.getMessage() for r in caplog.records if re.search(pattern, r.getMessage())]
 
 
+@pytest.mark.slow
 def test_debug_model_trains_with_falling_loss_and_tensorboard(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     losses = run(_cfg(tmp_path))
@@ -58,6 +59,7 @@ def test_debug_model_trains_with_falling_loss_and_tensorboard(tmp_path, caplog):
                         rf"tensorboard {re.escape(run_dir)}, no checkpoint", summary), summary
 
 
+@pytest.mark.slow
 def test_each_run_writes_its_own_tensorboard_run_and_logs_only_measured_memory(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     untracked = ("--training.steps", "2", "--validation.enable", "false", "--memory.track", "off")
@@ -99,6 +101,7 @@ def test_compile_is_announced_with_an_estimate_before_the_first_step(tmp_path, c
     assert "not tracked (compile.enable = true" in memory
 
 
+@pytest.mark.slow
 def test_deterministic_runs_are_bit_identical(tmp_path):
     args = ("--training.deterministic", "true", "--training.steps", "3", "--validation.enable", "false",
             "--memory.track", "off", "--metrics.enable_tensorboard", "false")
@@ -106,6 +109,7 @@ def test_deterministic_runs_are_bit_identical(tmp_path):
     assert len(first) == 3 and first == run(_cfg(tmp_path / "b", *args))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     common = ("--training.steps", "3", "--validation.enable", "false", "--memory.track", "off",
               "--metrics.enable_tensorboard", "false", "--training.global_batch_size", "4")
@@ -172,6 +176,7 @@ def _cli(args, env_extra=None, cmd=None):
     (["--dataset.path", "/nonexistent/data.jsonl"], "dataset"),
     (["--parallelism.expert_parallel_degree", "3"], "parallelism.expert_parallel_degree"),
 ])
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, key):
     dump = tmp_path / "dump"
     r = _cli(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(dump), *args])
@@ -181,6 +186,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, key)
     assert not dump.exists()
 
 
+@pytest.mark.slow
 def test_print_config_prints_merged_toml():
     """The entry point prints the merged config (the TOML that reads back to it, see tests/test_config.py) and
     nothing else: no training."""
