@@ -490,7 +490,14 @@ class _SelectivePolicy:
 
     def _resolve(self) -> None:
         """Resolve the op names; repeated per forward, so that a comm backend registered later takes effect."""
-        self.save = frozenset(op for name in self.save_names for op in resolve_ops(name))
+        # op -> the conditions under which it counts as saved (None: always); `_to_copy` is saved only as a host
+        # copy, never as a dtype cast
+        self.save: dict[torch._ops.OpOverload, list[Callable | None]] = collections.defaultdict(list)
+        for name in self.save_names:
+            for ref in OP_TABLE[name]:
+                op = ref.resolve()
+                if op is not None:
+                    self.save[op].append(ref.when)
         self.pinned = frozenset(op for name in self.save_names if name in COLLECTIVE_OPS for op in resolve_ops(name))
         self.host_copies = {ref.resolve(): ref.when for ref in OP_TABLE["d2h_copy"]}
         self.rule_ops = [
@@ -520,7 +527,9 @@ class _SelectivePolicy:
             return CheckpointPolicy.MUST_SAVE
         if self._in_recompute_scope(op):
             return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if op in self.save else CheckpointPolicy.PREFER_RECOMPUTE
+        if any(when is None or when(args, kwargs) for when in self.save.get(op, ())):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _pass_contexts(policy: _SelectivePolicy) -> tuple[_PassContext, _PassContext]:

@@ -127,6 +127,23 @@ def test_op_default_saves_mm_and_grouped_mm(baseline):
     assert diff["silu"] == 1 + 2 * N_MOE and diff["softmax"] == 3 + N_MOE
 
 
+def test_dtype_casts_are_recomputed_only_host_copies_saved():
+    """`d2h_copy` in save_ops saves `_to_copy` only as a copy into host memory: the casts of a bf16 forward
+    (autocast's weight copies, int32 offsets) are recomputed like any other cheap op, never held for backward.
+    Saving every `_to_copy` held them all, and broke in-place use of a cast's output inside a checkpointed op."""
+    casts = {}
+    for mode in ("none", "selective"):
+        model = build(ac(mode=mode))
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # as the trainer: forward under autocast, backward not
+            loss = model(tokens()).float().pow(2).mean()
+        counter = OpCounter()
+        with counter:
+            loss.backward()
+        casts[mode] = counter.counts["aten._to_copy.default"]
+    # every linear of every block casts its weight to bf16 in forward: recomputed in backward
+    assert casts["selective"] - casts["none"] >= 4 * TINY.n_layers
+
+
 def test_force_recompute_module_overrides_save_ops(baseline):
     diff = recomputed(run(ac(mode="selective", force_recompute_modules=["moe.router"]))[2], baseline[2])
     # the router's gate mm, softmax and topk, and nothing else of the saved kinds
