@@ -73,6 +73,8 @@ E4M3_MAX = 448.0
 BLOCK = 128
 #: every dim of a rowwise GEMM operand must be a multiple of this (torch._scaled_mm's constraint on CUDA)
 ROWWISE_ALIGN = 16
+#: peak bytes per element that `_qdq` allocates besides its input and its result: fp32 tiles + their e4m3 copy
+QDQ_WORK_BYTES = 5
 
 
 # ----------------------------------------------------------------------------------------------- quantisation
@@ -86,10 +88,19 @@ def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _tiles(t: torch.Tensor, tile_rows: int, tile_cols: int) -> torch.Tensor:
-    """[R, C] as fp32 tiles [R / tile_rows, tile_rows, C / tile_cols, tile_cols], zero-padded at the ends."""
+    """[R, C] as a new fp32 tensor of tiles [R / tile_rows, tile_rows, C / tile_cols, tile_cols], zero-padded at
+    the ends. Always a fresh buffer (never `t` itself), so callers may scale it in place."""
     R, C = t.shape
     pad_r, pad_c = -R % tile_rows, -C % tile_cols
-    return F.pad(t.float(), (0, pad_c, 0, pad_r)).view((R + pad_r) // tile_rows, tile_rows, -1, tile_cols)
+    out = t.new_zeros(R + pad_r, C + pad_c, dtype=torch.float32) if pad_r or pad_c else \
+        t.new_empty(R, C, dtype=torch.float32)
+    out[:R, :C] = t
+    return out.view((R + pad_r) // tile_rows, tile_rows, -1, tile_cols)
+
+
+def _tile_amax(tiles: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """max |x| per tile; the inf-norm reduces without the tensor-sized temporary that abs().amax() makes."""
+    return torch.linalg.vector_norm(tiles, ord=float("inf"), dim=(1, 3), keepdim=keepdim)
 
 
 def quantize(t: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,8 +111,8 @@ def quantize(t: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Ten
     """
     R, C = t.shape
     tiles = _tiles(t, tile_rows, tile_cols)
-    scale = _pow2_scale(tiles.abs().amax(dim=(1, 3)))
-    q = (tiles / scale[:, None, :, None]).to(E4M3)
+    scale = _pow2_scale(_tile_amax(tiles))
+    q = tiles.div_(scale[:, None, :, None]).to(E4M3)
     return q.view(-1, q.shape[2] * tile_cols)[:R, :C], scale
 
 
@@ -128,12 +139,17 @@ def quantize_segments(t: torch.Tensor, segment_C: torch.Tensor, num_segments: in
 
 def _qdq(t: torch.Tensor, tile_rows: int, tile_cols: int, dtype: torch.dtype) -> torch.Tensor:
     """Quantise and dequantise [R, C] (the operand a GEMM emulating e4m3 inputs multiplies), in one pass over
-    the tiles: `dequantize(*quantize(t, ...), ...)` without materialising the e4m3 tensor's layout twice."""
+    the tiles: `dequantize(*quantize(t, ...), ...)` without materialising the e4m3 tensor's layout twice.
+
+    Working memory beyond t and the result: the fp32 tiles (4 bytes per element, scaled in place) and the e4m3
+    copy (1), then the e4m3 copy only: `QDQ_WORK_BYTES` per element (docs/fp8.md, "Memory")."""
     R, C = t.shape
     tiles = _tiles(t, tile_rows, tile_cols)
-    scale = _pow2_scale(tiles.abs().amax(dim=(1, 3), keepdim=True))
-    deq = (tiles / scale).to(E4M3).to(dtype) * scale.to(dtype)
-    return deq.view(-1, tiles.shape[2] * tile_cols)[:R, :C]
+    scale = _pow2_scale(_tile_amax(tiles, keepdim=True))
+    q = tiles.div_(scale).to(E4M3)
+    del tiles  # freed before the dequantised copy exists
+    deq = q.to(dtype).mul_(scale.to(dtype))
+    return deq.view(-1, q.shape[2] * tile_cols)[:R, :C]
 
 
 def _qdq_act(t: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
