@@ -131,10 +131,13 @@ def quantize_segments(t: torch.Tensor, segment_C: torch.Tensor, num_segments: in
     The rowwise recipe's expert weight gradients contract over each expert's own tokens: one scale per output
     channel and expert. Returns (q [R, C] e4m3, scale [R, num_segments]).
     """
-    a = t.float().abs()
-    amax = a.new_zeros(t.shape[0], num_segments).scatter_reduce_(1, segment_C.expand_as(a), a, "amax")
-    scale = _pow2_scale(amax)
-    return (t.float() / scale.index_select(1, segment_C)).to(E4M3), scale
+    # max |t| per segment from the segments' max and min: no tensor-sized abs() or float() copy of t
+    index = segment_C.expand(t.shape)
+    high = t.new_zeros(t.shape[0], num_segments).scatter_reduce_(1, index, t, "amax")
+    low = t.new_zeros(t.shape[0], num_segments).scatter_reduce_(1, index, t, "amin")
+    scale = _pow2_scale(torch.maximum(high, -low))
+    scaled = scale.index_select(1, segment_C)  # one fp32 buffer: each element's scale, then the scaled value
+    return torch.div(t, scaled, out=scaled).to(E4M3), scale
 
 
 def _qdq(t: torch.Tensor, tile_rows: int, tile_cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -273,7 +276,8 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
 def dequantize_segments(q: torch.Tensor, scale: torch.Tensor, segment_C: torch.Tensor,
                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The inverse of `quantize_segments`, in `dtype`."""
-    return q.to(dtype) * scale.index_select(1, segment_C).to(dtype)
+    # exact in place: e4m3 values times a power of two are representable in bf16 as in fp32
+    return q.to(dtype).mul_(scale.index_select(1, segment_C))
 
 
 def _zero_tail(t_PX: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
