@@ -69,13 +69,31 @@ def measure_matmul_peak(dtype, device, n: int, repeats: int = 8) -> float:
 
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
+    return _best_gemm_tflops(lambda: torch.mm(a, b), device, n, repeats)
+
+
+def measure_fp8_matmul_peak(device, n: int, repeats: int = 8) -> float:
+    """e4m3 matmul peak in TFLOP/s on `device`, timed as `measure_matmul_peak`: `torch._scaled_mm` of two n x n
+    float8_e4m3fn operands with rowwise fp32 scales (one per row of the first, one per column of the second) and a
+    bf16 output. The second operand is column-major, as cuBLAS's FP8 GEMM needs."""
+    import torch
+
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t().contiguous().t()
+    scale_a, scale_b = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+    return _best_gemm_tflops(
+        lambda: torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16), device, n, repeats)
+
+
+def _best_gemm_tflops(gemm, device, n: int, repeats: int) -> float:
+    """TFLOP/s of the fastest of `repeats` calls of `gemm()` (an n x n x n product) after two warm-up calls."""
     for _ in range(2):  # first calls: oneDNN / cuBLAS pick and cache their kernel, the GPU clocks up
-        torch.mm(a, b)
+        gemm()
     synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        gemm()
         synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e12

@@ -28,7 +28,10 @@ said otherwise:
               activation_checkpoint mode, memory.track, FLOPs per token (`models/deepseek_v3/flops.py`: 6 x active
               matmul params + causal attention), device, gemm_n, float32_matmul_precision (torch's: "highest" =
               no TF32), single_process (false under torchrun), world_size, parallel_degrees {dp_replicate,
-              dp_shard, ep, pp}
+              dp_shard, ep, pp}, fp8_recipe (`fp8.recipe`), fp8_flops_per_token (the part of FLOPs per token that
+              the recipe runs as FP8 GEMMs: that of the modules the `[fp8]` filters select, from the model spec's
+              per-module table `module_flops`; 0 for recipe none; null for a model without the table) and
+              fp8_flops_share (its share of FLOPs per token)
   tokens_per_s            per rank, at the median step time
   aggregate_tokens_per_s  the job's tokens/s: the sum over ranks of each rank's tokens/s at its own median step
                           time (divided by pp, since the stages of a pipeline share their tokens); gathered with
@@ -36,13 +39,22 @@ said otherwise:
   rank_step_time_s        every rank's median step time, by rank
   step_time_s         median, min, max over the timed steps; all: every timed step
   model_tflops        tokens_per_s x FLOPs per token / 1e12
-  gemm_peak_tflops    {bfloat16, float32}: the device's dense matmul peak measured by this script in this process
-                      after training: best of 8 n x n x n GEMMs, each timed between device synchronisations (n =
-                      gemm_n: 2048 on CPU, 8192 on CUDA, 512 with --smoke); on CPU with the training's thread
-                      count; under torchrun every rank measures at the same time, so it is one process's peak while
-                      the other ranks load the other cores (or GPUs), as in training
+  gemm_peak_tflops    {bfloat16, float32[, float8_e4m3fn]}: the device's dense matmul peak measured by this script in
+                      this process after training: best of 8 n x n x n GEMMs, each timed between device
+                      synchronisations (n = gemm_n: 2048 on CPU, 8192 on CUDA, 512 with --smoke); on CPU with the
+                      training's thread count; under torchrun every rank measures at the same time, so it is one
+                      process's peak while the other ranks load the other cores (or GPUs), as in training.
+                      float8_e4m3fn only with an FP8 recipe: `torch._scaled_mm` of e4m3 operands with rowwise fp32
+                      scales and a bf16 output
   peak_tflops         gemm_peak_tflops of the training dtype
-  mfu                 model_tflops / peak_tflops
+  mfu                 model_tflops / peak_tflops: every FLOP against the compute dtype's peak
+  mfu_recipe          with an FP8 recipe (else null): tokens_per_s x (fp8_flops_per_token / FP8 peak + the other
+                      FLOPs per token / peak_tflops) / 1e12, the share of a second that a second's tokens would take
+                      at the measured peaks, their FP8 GEMMs at the float8_e4m3fn one; null if fp8_flops_per_token
+                      is. The emulation (blockwise linears and both recipes' grouped experts, `parallelisms/fp8.py`)
+                      multiplies the dequantised operands in the compute dtype, on CUDA too: for it mfu says how far
+                      the step is from what the emulation can run at, mfu_recipe how far from an FP8 machine's
+                      limit. Only torchao's rowwise linears run `torch._scaled_mm` itself
   peak_memory_bytes   the highest per-step peak of tensor memory over the timed steps: the trainer's exact tracker
                       (parameters, gradients, optimizer state, activations) when it is exact, else on CUDA the
                       caching allocator's peak allocated bytes; null on CPU without the exact tracker
@@ -62,7 +74,7 @@ said otherwise:
                       the cost of AC is (step time with AC - without) / forward kernel time without
   top_ops             the ops with the most self CPU time in the profiled step
   time_budget         the profiled step against the measured peak (deepseek_v3 models): for "matmul" (mm, addmm,
-                      grouped_mm: the parameter matmuls) and "attention" (bmm and softmax of SDPA's math path, or
+                      grouped_mm, scaled_mm: the parameter matmuls) and "attention" (bmm and softmax of SDPA's math path, or
                       the flash kernels), measured_s, at_peak_s (their model FLOPs / peak) and efficiency (at_peak_s
                       / measured_s); rest_s (everything else); step_at_peak_s (all model FLOPs / peak) and
                       profiled_step_s. measured_s is self CPU time of those ops on CPU, and on CUDA the kernel time
@@ -105,7 +117,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402  (needs the repo root on sys.path)
-    gpu_time_split, labelled, machine_info, measure_matmul_peak, synchronize)
+    gpu_time_split, labelled, machine_info, measure_fp8_matmul_peak, measure_matmul_peak, synchronize)
 from trainer.config import run_with_config_errors  # noqa: E402
 
 SMOKE_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
@@ -114,7 +126,8 @@ SMOKE_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--traini
 SMOKE_ARGS = dict(n_layers=2, dim=64, inter_dim=128, moe_inter_dim=32, n_heads=2, kv_lora_rank=16,
                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::_grouped_mm"}
+# _scaled_mm: the rowwise recipe's linears (torchao)
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::_grouped_mm", "aten::_scaled_mm"}
 # the model's only bmm is SDPA's math path (q.k^T and p.v, forward and backward)
 ATTENTION_OPS = {"aten::bmm", "aten::_softmax", "aten::_safe_softmax", "aten::_softmax_backward_data",
                  "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -251,6 +264,7 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
     import torch
     import torch.distributed as dist
     import trainer.train as train_module
+    from parallelisms.fp8 import fp8_flops_per_token
     from torch.profiler import ProfilerActivity, profile, record_function
     from trainer import device as devices
     from trainer.job_config import load_config
@@ -328,6 +342,8 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
             # training (and as in independent runs sharing the machine)
             gemm_peaks = {str(d).removeprefix("torch."): measure_matmul_peak(d, device, gemm_n)
                           for d in (torch.bfloat16, torch.float32)}
+            if cfg.fp8.recipe != "none":  # plain runs skip it: only FP8 GEMMs are measured against it
+                gemm_peaks["float8_e4m3fn"] = measure_fp8_matmul_peak(device, gemm_n)
             peak = gemm_peaks[str(dtype).removeprefix("torch.")]
         finally:
             devices.shutdown_distributed()
@@ -335,7 +351,13 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
         return None
 
     tokens_per_s = tokens_per_step / median
-    model_tflops = tokens_per_s * trainer.flops_per_token / 1e12
+    flops = trainer.flops_per_token
+    model_tflops = tokens_per_s * flops / 1e12
+    module_flops = trainer.spec.module_flops
+    fp8_flops = fp8_flops_per_token(cfg.fp8, module_flops(trainer.model_args)) if module_flops else None
+    mfu_recipe = None
+    if cfg.fp8.recipe != "none" and fp8_flops is not None:
+        mfu_recipe = tokens_per_s * (fp8_flops / gemm_peaks["float8_e4m3fn"] + (flops - fp8_flops) / peak) / 1e12
     dims = trainer.dims
     # the stages of one pipeline feed the same tokens: count them once
     aggregate = sum(tokens_per_step / t for t in rank_medians) / dims.pp
@@ -371,7 +393,9 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
                    "dtype": cfg.training.dtype, "batch": cfg.training.local_batch_size,
                    "seq_len": cfg.training.seq_len, "steps": steps, "warmup": warmup, "compile": cfg.compile.enable,
                    "activation_checkpoint": cfg.activation_checkpoint.mode, "memory_track": trainer.memory.mode,
-                   "flops_per_token": trainer.flops_per_token, "params": trainer.total_params,
+                   "flops_per_token": flops, "params": trainer.total_params, "fp8_recipe": cfg.fp8.recipe,
+                   "fp8_flops_per_token": fp8_flops,
+                   "fp8_flops_share": fp8_flops / flops if fp8_flops is not None else None,
                    "device": str(device), "gemm_n": gemm_n,
                    "float32_matmul_precision": torch.get_float32_matmul_precision(),
                    "single_process": not distributed, "world_size": dims.world_size,
@@ -385,6 +409,7 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
         "peak_tflops": peak,
         "gemm_peak_tflops": gemm_peaks,
         "mfu": model_tflops / peak,
+        "mfu_recipe": mfu_recipe,
         "peak_memory_bytes": peak_memory,
         "allocator": allocator,
         "time_split_s": split,

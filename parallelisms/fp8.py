@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +62,8 @@ class Fp8Section:
 
 
 __all__ = ["BLOCK", "E4M3_MAX", "Fp8Section", "RECIPES", "Fp8GroupedMM", "Fp8Linear", "apply_fp8", "dequantize",
-           "dequantize_segments", "fp8_block_modules", "fp8_config_problem", "fp8_grouped_mm", "quantize",
-           "quantize_segments"]
+           "dequantize_segments", "fp8_block_modules", "fp8_config_problem", "fp8_flops_per_token", "fp8_grouped_mm",
+           "quantize", "quantize_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -342,6 +342,15 @@ def fp8_block_modules(blocks: Iterable[nn.Module]) -> dict[str, nn.Module]:
 def _selected(fqn: str, fp8_cfg) -> bool:
     return (any(_matches(fqn, n) for n in fp8_cfg.modules)
             and not any(_matches(fqn, n) for n in fp8_cfg.exclude_modules))
+
+
+def fp8_flops_per_token(fp8_cfg, module_flops: Mapping[str, float]) -> float:
+    """The training FLOPs per token that the `[fp8]` section runs as FP8 GEMMs: the sum over the modules its filters
+    select of a model's {block-relative FQN: FLOPs per token} table (a `ModelSpec.module_flops`); 0 for recipe
+    none."""
+    if fp8_cfg.recipe == "none":
+        return 0.0
+    return sum(flops for fqn, flops in module_flops.items() if _selected(fqn, fp8_cfg))
 
 
 def _dims(module: nn.Module) -> tuple[int, ...]:

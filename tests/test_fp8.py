@@ -349,6 +349,24 @@ def test_rowwise_without_torchao_is_a_config_problem(monkeypatch):
     assert fp8.fp8_config_problem(cfg.fp8, blocks) is None
 
 
+def test_fp8_flops_are_those_of_the_selected_modules():
+    """The FP8 share of a model's per-module FLOPs table follows the [fp8] filters as apply_fp8 does; none: 0."""
+    from models.deepseek_v3.args import FLAVORS
+    from models.deepseek_v3.flops import block_flops_per_token
+    from parallelisms.fp8 import fp8_flops_per_token
+    from trainer.job_config import load_config
+
+    table = block_flops_per_token(FLAVORS["debugmodel"])
+    linears = sum(f for fqn, f in table.items() if fqn != "moe.experts")
+    default = load_config(["--fp8.recipe", "blockwise"]).fp8  # everything but attention.wkv_a
+    assert fp8_flops_per_token(default, table) == sum(table.values()) - table["attention.wkv_a"]
+    experts = load_config(["--fp8.recipe", "rowwise", "--fp8.modules", "moe.experts"]).fp8
+    assert fp8_flops_per_token(experts, table) == table["moe.experts"]
+    no_experts = load_config(["--fp8.recipe", "blockwise", "--fp8.exclude_modules", "experts"]).fp8
+    assert fp8_flops_per_token(no_experts, table) == linears
+    assert fp8_flops_per_token(load_config([]).fp8, table) == 0
+
+
 def test_rowwise_linears_are_torchaos_within_bound():
     """torchao's rowwise Float8Linear, as apply_fp8 converts it: forward and both gradients within the bound of
     one scale per row along each GEMM's K (so the wgrad tiles span all the tokens)."""

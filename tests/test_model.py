@@ -9,10 +9,12 @@ import torch.nn.functional as F
 from models.common.token_dispatch import LocalTokenDispatcher
 from models.deepseek_v3 import mtp_loss
 from models.deepseek_v3.args import FLAVORS, ModelArgs
-from models.deepseek_v3.flops import count_params, training_flops_per_token
+from models.deepseek_v3.flops import attention_flops_per_token, block_flops_per_token, count_params, \
+    training_flops_per_token
 from models.deepseek_v3.model import DeepSeekV3Model, document_causal_mask, rope_tables, yarn_inv_freq, \
     yarn_softmax_scale
 from models.deepseek_v3.moe import GroupedExperts, MoE, Router, sequence_balance_loss, update_expert_bias
+from parallelisms.fp8 import fp8_block_modules
 
 TINY = ModelArgs(vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=3, n_dense_layers=1, n_heads=2,
                  max_seq_len=32, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, q_lora_rank=0,
@@ -487,6 +489,36 @@ def test_flops_per_token_formula():
     attn_full = 6 * 16 * (192 + 128) * 256 * 6
     assert training_flops_per_token(args, 256, causal=False) == 6 * (c.active - c.embedding) + attn_full
     assert training_flops_per_token(args, 256) == 6 * (c.active - c.embedding) + attn_full / 2
+
+
+@pytest.mark.parametrize("flavor, mtp", [("debugmodel", 0), ("debugmodel", 2), ("16B", 1), ("671B", 1)])
+def test_block_flops_name_the_fp8_modules_and_add_up_to_the_flops(flavor, mtp):
+    """The per-module table holds the modules [fp8] finds in a real (meta) model's blocks, MTP blocks included; each
+    entry is 6 x its parameters over the blocks (routed experts at top_k / E), and with 6 x the parameters outside
+    those modules (head, eh_proj, router gates, norms; not the embedding, a lookup) it adds up exactly to the FLOPs
+    but the attention scores."""
+    args = FLAVORS[flavor].replace(num_mtp_layers=mtp)
+    with torch.device("meta"):
+        model = DeepSeekV3Model(args)
+    blocks = list(model.layers.values()) + ([m.block for m in model.mtp.layers] if mtp else [])
+    table = block_flops_per_token(args)
+    assert table.keys() == fp8_block_modules(blocks).keys()
+    expected, inside = dict.fromkeys(table, 0), set()
+    for block in blocks:
+        for fqn, module in block.named_modules():
+            if fqn in table:
+                inside |= {id(p) for p in module.parameters()}
+                params = sum(p.numel() for p in module.parameters())
+                if fqn == "moe.experts":
+                    params = params * args.n_activated_experts // args.n_routed_experts
+                expected[fqn] += 6 * params
+    assert table == expected
+    outside = {name: p.numel() for name, p in model.named_parameters()
+               if id(p) not in inside and name != "tok_embeddings.weight"}
+    assert all(name == "output.weight" or name.endswith(("eh_proj.weight", "router.gate.weight", "norm.weight"))
+               for name in outside), sorted(outside)
+    parameter_part = training_flops_per_token(args, 4096) - attention_flops_per_token(args, 4096)
+    assert parameter_part == sum(table.values()) + 6 * sum(outside.values())
 
 
 def test_model_trains_a_few_steps_on_one_batch():

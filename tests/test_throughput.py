@@ -20,15 +20,18 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.common import KERNEL_CATEGORIES, busy_seconds, gpu_time_split, kernel_category
-from models.deepseek_v3.flops import attention_flops_per_token
+from benchmarks.throughput import SMOKE_ARGS
+from models.deepseek_v3.args import FLAVORS
+from models.deepseek_v3.flops import attention_flops_per_token, block_flops_per_token
+from models.deepseek_v3.hf import hf_config_from_args
 
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")
 
 
-def _run_json(script: str, timeout: float) -> dict:
-    r = subprocess.run([sys.executable, script, "--smoke"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       text=True, timeout=timeout)
+def _run_json(script: str, timeout: float, *flags: str) -> dict:
+    r = subprocess.run([sys.executable, script, "--smoke", *flags], cwd=REPO, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout)  # stdout holds exactly one JSON object
 
@@ -61,9 +64,21 @@ def check_throughput_report(report: dict, world_size: int, ep: int, memory_track
     assert report["tokens_per_s"] == pytest.approx(tokens_per_step / steps["median"])
     assert report["aggregate_tokens_per_s"] == pytest.approx(sum(tokens_per_step / t for t in ranks))
     assert report["model_tflops"] == pytest.approx(report["tokens_per_s"] * config["flops_per_token"] / 1e12)
-    assert min(report["gemm_peak_tflops"][d] for d in ("bfloat16", "float32")) > 0
-    assert report["peak_tflops"] == report["gemm_peak_tflops"][config["dtype"]]
+    peaks = report["gemm_peak_tflops"]
+    fp8 = config["fp8_recipe"] != "none"
+    # the FP8 peak is measured with a recipe only, and then counts the FP8 FLOPs' time in mfu_recipe
+    assert sorted(peaks) == sorted(["bfloat16", "float32"] + (["float8_e4m3fn"] if fp8 else []))
+    assert min(peaks.values()) > 0
+    assert report["peak_tflops"] == peaks[config["dtype"]]
     assert report["mfu"] == pytest.approx(report["model_tflops"] / report["peak_tflops"])
+    flops, fp8_flops = config["flops_per_token"], config["fp8_flops_per_token"]
+    assert config["fp8_flops_share"] == pytest.approx(fp8_flops / flops)
+    if fp8:
+        assert 0 < fp8_flops < flops
+        assert report["mfu_recipe"] == pytest.approx(report["tokens_per_s"] * (
+            fp8_flops / peaks["float8_e4m3fn"] + (flops - fp8_flops) / report["peak_tflops"]) / 1e12)
+    else:
+        assert fp8_flops == 0 and report["mfu_recipe"] is None
 
     split, share = report["time_split_s"], report["time_split_share"]
     assert sorted(split) == sorted(PHASES) and min(split.values()) >= 0
@@ -269,6 +284,24 @@ def test_smoke_report_schema():
     assert isinstance(report["peak_memory_bytes"], int)
     assert report["peak_memory_bytes"] >= 4 * 4 * report["config"]["params"]
     assert report["time_split_s"]["communication"] == 0.0  # one process: no collectives
+
+
+@pytest.mark.slow
+def test_fp8_smoke_report_counts_the_selected_flops_at_the_fp8_peak(tmp_path):
+    """--smoke with the blockwise recipe, on the smoke model widened to 128 (two heads of 64 + 64) so that every
+    selected dim is a multiple of the recipe's tile: the FP8 FLOPs are the table's entries that the default [fp8]
+    filters select (all but attention.wkv_a, 128 + 64 wide), and mfu_recipe is recomputed from the report."""
+    args = FLAVORS["debugmodel"].replace(**{**SMOKE_ARGS, "dim": 128, "inter_dim": 128, "moe_inter_dim": 128,
+                                            "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
+                                            "v_head_dim": 64})
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(hf_config_from_args(args)))
+    report = _run_json("benchmarks/throughput.py", 300, "--fp8.recipe", "blockwise",
+                       "--model.hf_config_path", str(config))
+    check_throughput_report(report, world_size=1, ep=1, memory_track="exact")
+    table = block_flops_per_token(args)
+    assert report["config"]["fp8_recipe"] == "blockwise"
+    assert report["config"]["fp8_flops_per_token"] == sum(table.values()) - table["attention.wkv_a"]
 
 
 def test_attention_kernels_smoke_runs_every_variant_or_says_why(capsys):

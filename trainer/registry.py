@@ -77,6 +77,10 @@ class ModelSpec:
     memory_plan(args, job_config, shape, names, gather_bytes, shard) -> `trainer.memory_plan.StageMemory`: the
         tensors and sizes of the model part holding the pipeline units `names` (None: all) for one microbatch of
         `shape`, FSDP gathering `gather_bytes` per element over `shard` ranks; None: no memory plan.
+    module_flops(args) -> {block-relative FQN: training FLOPs per token} of every module the `[fp8]` section can
+        convert (the names `parallelisms.fp8.fp8_block_modules` finds in the blocks), summed over the blocks: the
+        part of `counts`' FLOPs that a recipe may run as FP8 GEMMs (`parallelisms.fp8.fp8_flops_per_token`);
+        None: that part is unknown.
     """
 
     name: str
@@ -95,6 +99,7 @@ class ModelSpec:
     pipeline_units: Callable[[Any], Any] | None = None
     pipeline_stage: Callable[[nn.Module, list[str]], nn.Module] | None = None
     memory_plan: Callable[..., Any] | None = None
+    module_flops: Callable[[Any], dict[str, float]] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -11,7 +11,7 @@ from trainer.registry import ModelSpec, register_model_spec
 
 from .args import FLAVORS, ModelArgs
 from . import hf
-from .flops import count_params, training_flops_per_token
+from .flops import block_flops_per_token, count_params, training_flops_per_token
 from .hf import load_hf_pretrained
 from .memory_plan import stage_memory
 from .model import DeepSeekV3Model, TransformerBlock
@@ -150,6 +150,7 @@ register_model_spec(ModelSpec(
     pipeline_units=split_units,
     pipeline_stage=keep_stage,
     memory_plan=stage_memory,
+    module_flops=block_flops_per_token,
 ))
 
 __all__ = ["DeepSeekV3Model", "ModelArgs", "FLAVORS", "build_args", "load_hf_pretrained"]

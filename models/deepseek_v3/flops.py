@@ -1,6 +1,7 @@
 """Parameter counts and training FLOPs per token, computed from `ModelArgs` alone (no model needed).
 
-Used for the published-size checks (671B total / 37B active) and by the metrics for TFLOP/s and MFU.
+Used for the published-size checks (671B total / 37B active), by the metrics for TFLOP/s and MFU, and (per module,
+`block_flops_per_token`) for the FLOPs an `[fp8]` recipe runs as FP8 GEMMs.
 """
 
 from __future__ import annotations
@@ -21,23 +22,31 @@ class ParamCounts:
     mtp: int
 
 
-def _attention_params(a: ModelArgs) -> int:
+def _block_module_params(a: ModelArgs, moe: bool) -> dict[str, int]:
+    """Parameters of each linear and of the routed experts (all of them) of one block, by block-relative FQN: the
+    modules `[fp8]` can convert (the router gate and the norms are left out)."""
     qk = a.n_heads * a.qk_head_dim
-    q = a.dim * qk if a.q_lora_rank == 0 else a.dim * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * qk
-    kv = a.dim * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
-    kv += a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)
-    return q + kv + a.n_heads * a.v_head_dim * a.dim
+    params = ({"attention.wq": a.dim * qk} if a.q_lora_rank == 0
+              else {"attention.wq_a": a.dim * a.q_lora_rank, "attention.wq_b": a.q_lora_rank * qk})
+    params["attention.wkv_a"] = a.dim * (a.kv_lora_rank + a.qk_rope_head_dim)
+    params["attention.wkv_b"] = a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)
+    params["attention.wo"] = a.n_heads * a.v_head_dim * a.dim
+    if not moe:
+        ffns = {"feed_forward": a.inter_dim}
+    else:
+        params["moe.experts"] = a.n_routed_experts * 3 * a.dim * a.moe_inter_dim
+        ffns = {"moe.shared_experts": a.moe_inter_dim * a.n_shared_experts} if a.n_shared_experts else {}
+    for ffn, hidden in ffns.items():
+        params.update({f"{ffn}.{w}": a.dim * hidden for w in ("w1", "w2", "w3")})
+    return params
 
 
 def _block_params(a: ModelArgs, moe: bool) -> tuple[int, int]:
     """(all parameters, routed-expert parameters) of one transformer block."""
-    norms = 2 * a.dim
-    if not moe:
-        return _attention_params(a) + norms + 3 * a.dim * a.inter_dim, 0
-    routed = a.n_routed_experts * 3 * a.dim * a.moe_inter_dim
-    shared = 3 * a.dim * a.moe_inter_dim * a.n_shared_experts
-    gate = a.n_routed_experts * a.dim
-    return _attention_params(a) + norms + gate + shared + routed, routed
+    modules = _block_module_params(a, moe)
+    norms = 2 * a.dim + a.kv_lora_rank + a.q_lora_rank  # attention and FFN norms, MLA's kv_norm and q_norm
+    gate = a.n_routed_experts * a.dim if moe else 0
+    return sum(modules.values()) + norms + gate, modules.get("moe.experts", 0)
 
 
 def count_params(a: ModelArgs) -> ParamCounts:
@@ -72,3 +81,21 @@ def training_flops_per_token(a: ModelArgs, seq_len: int, causal: bool = True) ->
     """
     counts = count_params(a)
     return 6.0 * (counts.active - counts.embedding) + attention_flops_per_token(a, seq_len, causal)
+
+
+def block_flops_per_token(a: ModelArgs) -> dict[str, float]:
+    """Training FLOPs per token (6 per active parameter) of each linear and of the routed experts inside the blocks,
+    by block-relative FQN (`attention.wkv_a`, `moe.experts`), summed over the main layers and the MTP blocks; routed
+    experts at top_k / n_routed_experts, as in `count_params`.
+
+    These are the modules the `[fp8]` section can convert (`parallelisms.fp8.fp8_block_modules` names them alike).
+    The rest of `training_flops_per_token` always runs in the compute dtype: the attention scores, the output head,
+    MTP's eh_proj, the router gates and the norm weights.
+    """
+    flops: dict[str, float] = {}
+    for layer in range(a.n_layers + a.num_mtp_layers):
+        for fqn, params in _block_module_params(a, layer >= a.n_dense_layers).items():
+            if fqn == "moe.experts":
+                params = params // a.n_routed_experts * a.n_activated_experts
+            flops[fqn] = flops.get(fqn, 0.0) + 6.0 * params
+    return flops
