@@ -1,10 +1,12 @@
 """Check `trainer.memory_plan` against measured peaks of the CPU debug model.
 
-`.venv/bin/python benchmarks/memory_plan_check.py [--smoke] [--steps N]` prints one JSON object per row:
+`.venv/bin/python benchmarks/memory_plan_check.py [--smoke] [--steps N] [--fp8 RECIPE] [--dtype DTYPE]` prints one
+JSON object per row:
 the predicted peak of rank 0 (`python -m trainer.memory_plan`), the measured peak (the largest
 `memory/peak_allocated_GiB` over all steps and all ranks, exact tracking, i.e. `MemoryMonitor` on CPU) and their
 ratio. Rows: 1, 2 and 4 ranks (2 and 4 under torchrun with FSDP and expert parallelism over all ranks) x AC none,
-full and selective. `--smoke` runs one row (1 rank, AC none, 2 steps, batch 2 x 128) for CI.
+full and selective. `--smoke` runs one row (1 rank, AC none, 2 steps, batch 2 x 128) for CI. `--fp8 blockwise` (or
+rowwise) trains every row with that `fp8.recipe`, `--dtype bfloat16` in bf16 (default: the config's fp32).
 
 Under torchrun the script is its own worker: `--worker jobs.json out_dir` trains every job in one process group
 and writes each rank's peaks to `out_dir/<job>.rank<r>.json`.
@@ -29,10 +31,11 @@ BASE = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.to
         "--metrics.log_freq", "1000"]
 
 
-def row_args(ngpu: int, ac: str, batch: int, seq: int, steps: int) -> list[str]:
+def row_args(ngpu: int, ac: str, batch: int, seq: int, steps: int, recipe: str = "none",
+             dtype: str = "float32") -> list[str]:
     """Config overrides of one row: FSDP over all ranks and EP over all ranks when there are several."""
     args = ["--training.local_batch_size", str(batch), "--training.seq_len", str(seq), "--training.steps", str(steps),
-            "--activation_checkpoint.mode", ac]
+            "--activation_checkpoint.mode", ac, "--fp8.recipe", recipe, "--training.dtype", dtype]
     if ngpu > 1:
         args += ["--parallelism.data_parallel_shard_degree", str(ngpu),
                  "--parallelism.expert_parallel_degree", str(ngpu)]
@@ -124,14 +127,15 @@ def _worker(jobs_file: str, out_dir: str) -> None:
         devices.shutdown_distributed()
 
 
-def _row(ngpu: int, ac: str, batch: int, seq: int, steps: int, measured: dict, predicted: dict) -> dict:
+def _row(ngpu: int, ac: str, batch: int, seq: int, steps: int, measured: dict, predicted: dict, recipe: str,
+         dtype: str) -> dict:
     if "error" in measured:
-        return {"ngpu": ngpu, "ac": ac, "batch": batch, "seq_len": seq, "steps": steps,
+        return {"ngpu": ngpu, "ac": ac, "fp8": recipe, "dtype": dtype, "batch": batch, "seq_len": seq, "steps": steps,
                 "predicted_peak_MiB": round(predicted["predicted_peak_bytes"] / 2 ** 20, 2),
                 "measured_peak_MiB": None, "ratio": None, "within_15pct": None,
                 "predicted_phase": predicted["peak_phase"], "training_error": measured["error"]}
     ratio = predicted["predicted_peak_bytes"] / measured["peak_bytes"]
-    return {"ngpu": ngpu, "ac": ac, "batch": batch, "seq_len": seq, "steps": steps,
+    return {"ngpu": ngpu, "ac": ac, "fp8": recipe, "dtype": dtype, "batch": batch, "seq_len": seq, "steps": steps,
             "predicted_peak_MiB": round(predicted["predicted_peak_bytes"] / 2 ** 20, 2),
             "measured_peak_MiB": round(measured["peak_bytes"] / 2 ** 20, 2),
             "ratio": round(ratio, 4), "within_15pct": abs(ratio - 1) <= TOLERANCE,
@@ -140,7 +144,7 @@ def _row(ngpu: int, ac: str, batch: int, seq: int, steps: int, measured: dict, p
                 "per_rank_peak_bytes", [measured["peak_bytes"]])]}
 
 
-def run_check(smoke: bool = False, steps: int = 3) -> list[dict]:
+def run_check(smoke: bool = False, steps: int = 3, recipe: str = "none", dtype: str = "float32") -> list[dict]:
     """All rows (or the smoke row); prints and returns them."""
     rows = []
     modes = ["none"] if smoke else ["none", "full", "selective"]
@@ -148,14 +152,14 @@ def run_check(smoke: bool = False, steps: int = 3) -> list[dict]:
     steps = 2 if smoke else steps
     with tempfile.TemporaryDirectory() as tmp:
         for ngpu, batch, seq in layouts:
-            jobs = {ac: row_args(ngpu, ac, batch, seq, steps) for ac in modes}
+            jobs = {ac: row_args(ngpu, ac, batch, seq, steps, recipe, dtype) for ac in modes}
             t0 = time.perf_counter()
             if ngpu == 1:
                 measured = {ac: measure_in_process(args, os.path.join(tmp, ac)) for ac, args in jobs.items()}
             else:
                 measured = measure_torchrun(ngpu, jobs, tmp)
             for ac, args in jobs.items():
-                row = _row(ngpu, ac, batch, seq, steps, measured[ac], predict(ngpu, args))
+                row = _row(ngpu, ac, batch, seq, steps, measured[ac], predict(ngpu, args), recipe, dtype)
                 row["wall_s_layout"] = round(time.perf_counter() - t0, 1)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -169,8 +173,11 @@ def main(argv: list[str]) -> None:
 
         _worker(argv[1], argv[2])
         devices.end_process(0)  # the process group may outlive its shutdown (see there)
-    steps = int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 3
-    rows = run_check(smoke="--smoke" in argv, steps=steps)
+    def value(flag: str, default: str) -> str:
+        return argv[argv.index(flag) + 1] if flag in argv else default
+
+    rows = run_check(smoke="--smoke" in argv, steps=int(value("--steps", "3")), recipe=value("--fp8", "none"),
+                     dtype=value("--dtype", "float32"))
     # rows the trainer could not run (within_15pct None) are reported, not counted as misses
     if any(r["within_15pct"] is False for r in rows):
         sys.exit(1)

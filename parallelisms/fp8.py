@@ -63,7 +63,7 @@ class Fp8Section:
 
 __all__ = ["BLOCK", "E4M3_MAX", "Fp8Section", "RECIPES", "Fp8GroupedMM", "Fp8Linear", "apply_fp8", "dequantize",
            "dequantize_segments", "fp8_block_modules", "fp8_config_problem", "fp8_flops_per_token", "fp8_grouped_mm",
-           "quantize", "quantize_segments"]
+           "gemm_backward_extra_bytes", "is_selected", "quantize", "quantize_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -310,6 +310,44 @@ class Fp8GroupedMM:
         return fp8_grouped_mm(x_PK, w_ENK, offs_E, self.recipe)
 
 
+# ----------------------------------------------------------------------------------------------- memory
+
+def gemm_backward_extra_bytes(recipe: str, rows: int, in_features: int, out_features: int, act_bytes: int,
+                              experts: int = 0) -> int:
+    """Peak bytes the backward of one emulated FP8 GEMM allocates beyond the high-precision GEMM's backward (whose
+    peak is its two gradients), for the memory plan.
+
+    x [rows, in], W [out, in] (a linear, `experts` = 0) or [experts, out, in] (grouped), dY [rows, out], in the
+    compute dtype of `act_bytes` per element. The peak is the largest of the backward's phases, in the order
+    `_Fp8LinearFn.backward` / `_Fp8GroupedMMFn.backward` run them: each quantise-dequantise of an operand peaks at
+    `QDQ_WORK_BYTES` per element (its result included), while the copies made before it are still held. Measured
+    against the exact tracker within 1% (docs/fp8.md, "Memory"). Rowwise linears are torchao's; they are planned
+    as ours.
+    """
+    a, qdq = act_bytes, QDQ_WORK_BYTES
+    x, dy = rows * in_features, rows * out_features
+    w = max(experts, 1) * in_features * out_features
+    if not experts:
+        phases = (qdq * dy,  # dgrad: dY quantised
+                  a * dy + qdq * w,  # W^T quantised, dY's copy held
+                  a * (dy + w + x),  # the dgrad GEMM: both copies and dx
+                  a * x + qdq * dy,  # wgrad: dY^T quantised, dx held
+                  a * (x + dy) + qdq * x,  # x^T quantised
+                  a * (2 * x + dy + w))  # the wgrad GEMM: both copies, dx and dW
+    else:
+        # the rowwise experts' wgrad quantises per expert segment: its working memory comes on top of its result
+        wq = qdq if recipe == "blockwise" else qdq + a
+        held = a * (dy + w)  # the zero-tailed dY and W^T's dequantised copy, held throughout
+        phases = (a * dy + (a + qdq) * w,  # W^T: reshaped into a copy, then quantised
+                  held + qdq * dy,  # dgrad: dY quantised
+                  held + a * (dy + x),  # the dgrad GEMM
+                  held + a * x + wq * dy,  # wgrad: dY^T quantised, dx held
+                  held + a * (x + dy) + wq * x,  # x^T quantised
+                  held + a * (dy + 2 * x + 2 * w),  # the wgrad GEMM, and dW with its empty experts zeroed
+                  held + a * (dy + 3 * x + w))  # dx with its padding rows zeroed
+    return max(phases) - a * (x + w)
+
+
 # ----------------------------------------------------------------------------------------------- selection
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -339,7 +377,8 @@ def fp8_block_modules(blocks: Iterable[nn.Module]) -> dict[str, nn.Module]:
     return found
 
 
-def _selected(fqn: str, fp8_cfg) -> bool:
+def is_selected(fqn: str, fp8_cfg) -> bool:
+    """Whether the `[fp8]` filters convert the module with block-relative name `fqn` (when a recipe is on)."""
     return (any(_matches(fqn, n) for n in fp8_cfg.modules)
             and not any(_matches(fqn, n) for n in fp8_cfg.exclude_modules))
 
@@ -350,7 +389,7 @@ def fp8_flops_per_token(fp8_cfg, module_flops: Mapping[str, float]) -> float:
     none."""
     if fp8_cfg.recipe == "none":
         return 0.0
-    return sum(flops for fqn, flops in module_flops.items() if _selected(fqn, fp8_cfg))
+    return sum(flops for fqn, flops in module_flops.items() if is_selected(fqn, fp8_cfg))
 
 
 def _dims(module: nn.Module) -> tuple[int, ...]:
@@ -381,7 +420,7 @@ def fp8_config_problem(fp8_cfg, blocks: Iterable[nn.Module], grouped_mm: bool = 
     if fp8_cfg.recipe == "none":
         return None
     align = BLOCK if fp8_cfg.recipe == "blockwise" else ROWWISE_ALIGN
-    selected = {fqn: m for fqn, m in fp8_block_modules(blocks).items() if _selected(fqn, fp8_cfg)}
+    selected = {fqn: m for fqn, m in fp8_block_modules(blocks).items() if is_selected(fqn, fp8_cfg)}
     for fqn, module in selected.items():
         if any(d % align for d in _dims(module)):
             return ("fp8.modules", f"{fqn} has dims {_dims(module)}, not multiples of {align} as the "
@@ -424,7 +463,7 @@ def apply_fp8(model: nn.Module, fp8_cfg) -> list[str]:
     converted = []
     for block_name, block in zip(_block_names(model), _blocks(model)):
         for fqn, module in list(block.named_modules()):
-            if not (fqn and _eligible(module) and _selected(fqn, fp8_cfg)):
+            if not (fqn and _eligible(module) and is_selected(fqn, fp8_cfg)):
                 continue
             if isinstance(module, nn.Linear):
                 parent_name, _, leaf = fqn.rpartition(".")

@@ -463,3 +463,46 @@ def test_fp8_curves_benchmark_smoke(capsys):
     assert math.isfinite(fp8["final_val_loss"])
     assert report["final_val_loss_rel_diff"]["blockwise"] == pytest.approx(
         fp8["final_val_loss"] / none["final_val_loss"] - 1)
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+def _backward_peak_beyond_gradients(fn, inputs, grads_bytes: int) -> int:
+    """Peak bytes of `fn`'s backward (exact tracker, from the end of its forward) beyond the two gradients that a
+    high-precision GEMM's backward allocates."""
+    from trainer.memory import _StepMemTracker
+
+    cpu = torch.device("cpu")
+    tracker = _StepMemTracker()
+    tracker.track_external(*inputs)
+    with tracker:
+        y = fn()
+        dy = torch.randn_like(y)
+        tracker.reset_peak()
+        before = tracker.get_tracker_snapshot("current")[cpu]["Total"]
+        y.backward(dy)
+        return tracker.get_tracker_snapshot("peak")[cpu]["Total"] - before - grads_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_memory_of_fp8_gemms_is_what_the_memory_plan_adds(dtype):
+    """`gemm_backward_extra_bytes` (the memory plan's FP8 term) against the exact tracker: linears whose largest
+    operand is dY, x or the weight, and grouped experts of both recipes, within 1% (the scales and offsets)."""
+    from parallelisms.fp8 import _Fp8LinearFn, gemm_backward_extra_bytes
+
+    a = torch.finfo(dtype).bits // 8
+    gen = torch.Generator().manual_seed(0)
+    for M, K, N in ((1024, 256, 1024), (1024, 1024, 256), (256, 1024, 1024)):
+        x = torch.randn(M, K, generator=gen, dtype=dtype).requires_grad_()
+        w = torch.randn(N, K, generator=gen, dtype=dtype).requires_grad_()
+        got = _backward_peak_beyond_gradients(lambda: _Fp8LinearFn.apply(x, w, "blockwise"), [x, w],
+                                              a * (M * K + N * K))
+        assert got == pytest.approx(gemm_backward_extra_bytes("blockwise", M, K, N, a), rel=0.01), (M, K, N)
+    E, K, N, P = 8, 256, 384, 4096
+    offs = torch.arange(1, E + 1, dtype=torch.int32) * (P // E)
+    for recipe in ("blockwise", "rowwise"):
+        x = torch.randn(P, K, generator=gen, dtype=dtype).requires_grad_()
+        w = torch.randn(E, N, K, generator=gen, dtype=dtype).requires_grad_()
+        got = _backward_peak_beyond_gradients(lambda: fp8_grouped_mm(x, w, offs, recipe), [x, w, offs],
+                                              a * (P * K + E * N * K))
+        assert got == pytest.approx(gemm_backward_extra_bytes(recipe, P, K, N, a, E), rel=0.01), recipe

@@ -70,12 +70,18 @@ def test_large_layouts_match_dry_run(toml, world, n_stages):
     assert sorted(i for r in result["ranks"] for i in r["layers"]) == list(range(n_layers))
 
 
-def test_debug_row_within_15_percent_of_measured(tmp_path):
-    """AC none, 1 rank, batch 4 x 128: the plan against MemoryMonitor's exact peak of a real run."""
+@pytest.mark.parametrize("extra", [
+    pytest.param([], id="ac_none"),
+    # FP8's padded expert rows and its backward's quantised copies (the peak is then a block's backward)
+    pytest.param(["--fp8.recipe", "blockwise", "--activation_checkpoint.mode", "full"], id="fp8_blockwise_ac_full",
+                 marks=pytest.mark.slow),
+])
+def test_debug_row_within_15_percent_of_measured(tmp_path, extra):
+    """1 rank, batch 4 x 128: the plan against MemoryMonitor's exact peak of a real run."""
     args = ["--job.config_file", os.path.join(CONFIGS, "debug_model.toml"), "--memory.track", "exact",
             "--metrics.enable_tensorboard", "false", "--validation.enable", "false", "--checkpoint.enable", "false",
             "--training.local_batch_size", "4", "--training.seq_len", "128", "--training.steps", "2",
-            "--job.dump_folder", str(tmp_path)]
+            "--job.dump_folder", str(tmp_path), *extra]
     cfg = load_config(args)
     predicted = plan(cfg, 1)["ranks"][0]
     trainer = Trainer(prepare(cfg, 1, 0), torch.device("cpu"))
@@ -88,6 +94,27 @@ def test_debug_row_within_15_percent_of_measured(tmp_path):
     assert abs(predicted["predicted_peak_bytes"] / measured - 1) <= 0.15, (predicted, measured)
     # at this size the activation phase is the peak, not the optimizer step
     assert predicted["peak_phase"] != "optimizer_step"
+
+
+def test_fp8_plan_knows_the_recipe():
+    """With FP8 experts each expert's rows are padded to multiples of 128 (the plan's expert items grow by E x 127
+    rows of the same widths) and every block's backward working set grows by its largest FP8 GEMM's copies; the
+    state (parameters, gradients, AdamW) does not change: checkpoints and the optimizer hold master weights."""
+    base = ["--job.config_file", os.path.join(CONFIGS, "debug_model.toml"), "--training.local_batch_size", "4",
+            "--training.seq_len", "128"]
+    none = plan(load_config(base), 1)["ranks"][0]
+    fp8 = plan(load_config(base + ["--fp8.recipe", "blockwise"]), 1)["ranks"][0]
+    for key in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes"):
+        assert fp8[key] == none[key]
+    from models.deepseek_v3.args import FLAVORS
+
+    args = FLAVORS["debugmodel"]
+    moe_layers = args.n_layers - args.n_dense_layers
+    padded = args.n_routed_experts * 127
+    # padded rows: the experts' input (dim) and the 4 hidden-width tensors kept, plus each row's new position
+    per_layer = padded * (args.dim + 4 * args.moe_inter_dim) * 4 + 4 * 128 * args.n_activated_experts * 8
+    assert fp8["activation_bytes"] - none["activation_bytes"] == moe_layers * per_layer
+    assert fp8["transients"]["backward_working_set"] > none["transients"]["backward_working_set"]
 
 
 def test_smoke_check_row_against_its_own_numbers(capsys):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from models.common.token_dispatch import LocalTokenDispatcher
 from models.deepseek_v3 import mtp_loss
 from models.deepseek_v3.args import FLAVORS, ModelArgs
-from models.deepseek_v3.flops import attention_flops_per_token, block_flops_per_token, count_params, \
+from models.deepseek_v3.flops import attention_flops_per_token, block_flops_per_token, block_gemms, count_params, \
     training_flops_per_token
 from models.deepseek_v3.model import DeepSeekV3Model, document_causal_mask, rope_tables, yarn_inv_freq, \
     yarn_softmax_scale
@@ -168,7 +168,7 @@ def test_grouped_mm_under_autocast_computes_in_bf16_with_cpu_aligned_groups():
     (`_grouped_mm` has no autocast rule of its own), on groups padded to multiples of the CPU row alignment."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from models.deepseek_v3.moe import _CPU_GROUP_ALIGN
+    from models.deepseek_v3.moe import CPU_GROUP_ALIGN
 
     class GroupedMmCalls(TorchDispatchMode):
         def __init__(self):
@@ -202,7 +202,7 @@ def test_grouped_mm_under_autocast_computes_in_bf16_with_cpu_aligned_groups():
     assert len(spy.calls) == 3
     for dtype, offsets in spy.calls:
         assert dtype == torch.bfloat16
-        assert all(o % _CPU_GROUP_ALIGN == 0 for o in offsets), offsets
+        assert all(o % CPU_GROUP_ALIGN == 0 for o in offsets), offsets
     tol = dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(y2.float(), y1, **tol)
     torch.testing.assert_close(x2.grad, x1.grad, **tol)
@@ -519,6 +519,26 @@ def test_block_flops_name_the_fp8_modules_and_add_up_to_the_flops(flavor, mtp):
                for name in outside), sorted(outside)
     parameter_part = training_flops_per_token(args, 4096) - attention_flops_per_token(args, 4096)
     assert parameter_part == sum(table.values()) + 6 * sum(outside.values())
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "236B"])
+def test_block_gemm_shapes_are_the_weights(flavor):
+    """`block_gemms` (the memory plan's FP8 shapes) names every FP8-eligible module of a dense and a MoE block, each
+    with its weights' (in, out, copies): a linear's [out, in]; the experts' w1, w3 [E, hidden, dim], w2 [E, dim,
+    hidden]."""
+    args = FLAVORS[flavor].replace(n_layers=2, n_dense_layers=1)
+    with torch.device("meta"):
+        model = DeepSeekV3Model(args)
+    for layer, block in model.layers.items():
+        modules = fp8_block_modules([block])
+        gemms = block_gemms(args, moe=int(layer) >= args.n_dense_layers)
+        assert gemms.keys() == modules.keys()
+        for fqn, module in modules.items():
+            if isinstance(module, torch.nn.Linear):
+                want = ((module.in_features, module.out_features, 1),)
+            else:
+                want = tuple((w.shape[2], w.shape[1], w.shape[0]) for w in (module.w1, module.w3, module.w2))
+            assert gemms[fqn] == want, fqn
 
 
 def test_model_trains_a_few_steps_on_one_batch():

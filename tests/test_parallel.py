@@ -64,14 +64,17 @@ def test_two_ranks_fsdp_and_ep(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_four_ranks_hsdp_and_ep(tmp_path, reference):
+def test_four_ranks_hsdp_and_ep(tmp_path, reference, fp8_references):
     results = launch(4, {
         "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2"],
         "fsdp4_ep2": ["--parallelism.expert_parallel_degree", "2"],
         "fsdp4_ep4": ["--parallelism.expert_parallel_degree", "4"],
         "hsdp2x2_ep2": ["--parallelism.data_parallel_replicate_degree", "2",
                         "--parallelism.expert_parallel_degree", "2"],
+        # FP8 composes with HSDP: checked against the FP8 one-process run below
+        "hsdp2x2_fp8": FP8 + ["--parallelism.data_parallel_replicate_degree", "2"],
     }, tmp_path)
+    _assert_fp8_parity({"hsdp2x2_fp8": results.pop("hsdp2x2_fp8")}, fp8_references["blockwise"])
     _assert_parity(results, reference)
 
 
@@ -137,16 +140,19 @@ def test_dry_run_through_run_train_sh(tmp_path):
 
 
 FP8 = ["--fp8.recipe", "blockwise"]
+ROWWISE = ["--fp8.recipe", "rowwise"]
 
 
 @pytest.fixture(scope="module")
-def fp8_reference(tmp_path_factory):
-    """One process, blockwise FP8, one sequence per microbatch (gradient accumulation over the 4), as every
-    parallel job below runs its microbatches: the weight gradients' token tiles then hold the same tokens."""
-    tmp = tmp_path_factory.mktemp("fp8_ref")
-    history = []
-    run(load_config(BASE + FP8 + ["--job.dump_folder", str(tmp)]), history=history)
-    return history
+def fp8_references(tmp_path_factory):
+    """One process per recipe, one sequence per microbatch (gradient accumulation over the 4), as every parallel
+    job below runs its microbatches: the weight gradients' token tiles then hold the same tokens."""
+    histories = {}
+    for recipe, flags in (("blockwise", FP8), ("rowwise", ROWWISE)):
+        tmp = tmp_path_factory.mktemp(f"fp8_ref_{recipe}")
+        histories[recipe] = []
+        run(load_config(BASE + flags + ["--job.dump_folder", str(tmp)]), history=histories[recipe])
+    return histories
 
 
 # FP8 amplifies the summation-order differences of a layout: a weight that differs in its last fp32 bit can move an
@@ -156,20 +162,27 @@ def fp8_reference(tmp_path_factory):
 FP8_TOLERANCE = {"loss": 1e-3, "validation/loss": 1e-3, "grad_norm": 1e-2}
 
 
+def _assert_fp8_parity(results, reference):
+    rel = {name: {key: [h[key] / r[key] - 1 for h, r in zip(history, reference) if key in h]
+                  for key in FP8_TOLERANCE} for name, history in results.items()}
+    for name, history in results.items():
+        assert len(history) == len(reference), name
+        assert abs(rel[name]["loss"][0]) < 2e-5, rel
+        for key, tol in FP8_TOLERANCE.items():
+            assert max(abs(d) for d in rel[name][key]) < tol, rel
+
+
 @pytest.mark.slow
-def test_two_ranks_fp8_fsdp_pipeline_and_ep(tmp_path, fp8_reference):
-    """FP8 (blockwise) composes with FSDP2, pipeline parallelism and EP: loss parity with one process with the
-    same recipe. FSDP and PP see the same microbatches as the reference; EP gathers the tokens of both ranks'
-    microbatches at each expert, so the experts' weight gradients are quantised over other token tiles."""
+def test_two_ranks_fp8_fsdp_pipeline_and_ep(tmp_path, fp8_references):
+    """FP8 composes with FSDP2, pipeline parallelism and EP: loss parity with one process with the same recipe.
+    FSDP and PP see the same microbatches as the reference; EP gathers the tokens of both ranks' microbatches at
+    each expert, so the experts' weight gradients are quantised over other token tiles. The rowwise recipe's
+    linears are torchao's Float8Linear, sharded by FSDP2 like any linear."""
     results = launch(2, {
         "fsdp2_fp8": FP8,
         "pp2_fp8": FP8 + ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"],
         "fsdp2_ep2_fp8": FP8 + ["--parallelism.expert_parallel_degree", "2"],
+        "fsdp2_ep2_rowwise": ROWWISE + ["--parallelism.expert_parallel_degree", "2"],
     }, tmp_path)
-    rel = {name: {key: [h[key] / r[key] - 1 for h, r in zip(history, fp8_reference) if key in h]
-                  for key in FP8_TOLERANCE} for name, history in results.items()}
-    for name, history in results.items():
-        assert len(history) == len(fp8_reference), name
-        assert abs(rel[name]["loss"][0]) < 2e-5, rel
-        for key, tol in FP8_TOLERANCE.items():
-            assert max(abs(d) for d in rel[name][key]) < tol, rel
+    _assert_fp8_parity({"fsdp2_ep2_rowwise": results.pop("fsdp2_ep2_rowwise")}, fp8_references["rowwise"])
+    _assert_fp8_parity(results, fp8_references["blockwise"])

@@ -187,10 +187,15 @@ def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
     head_kept = stage.head_kept if last else 0
     emb_kept = stage.embedding_kept if first else 0
     activations = in_flight * (sum(b["kept"] for b in blocks) + head_kept + emb_kept)
+    unsaved_copies = 0
     if bf16 and not dims.dp_enabled:
-        # autocast caches a bf16 copy of every weight for the whole forward; the mms save them for backward
-        activations += params // 2
-        notes.append("bf16 without FSDP: autocast weight copies counted as activations")
+        # autocast caches a bf16 copy of every weight for the whole forward; the matmuls save them for backward,
+        # but a checkpointed block (full or per-op) recasts its weights in the recompute instead
+        saved_copies = sum(b["unit"] // 2 for b in blocks if b["mode"] == "none")
+        saved_copies += stage.head_unit_bytes // 2 if last else 0
+        unsaved_copies = params // 2 - saved_copies
+        activations += saved_copies
+        notes.append("bf16 without FSDP: autocast weight copies counted as activations (blocks without AC, head)")
 
     # FSDP: during a unit's backward its parameters are gathered again, its unsharded gradients and their
     # reduce-scatter copy exist, and the next unit is prefetched: about 4 units; forward holds 2 (prefetch)
@@ -213,7 +218,8 @@ def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
     loss_transient = loss_transient if last else 0
     # every in-flight microbatch's activations are alive when the last one's backward starts
     phases = {"loss_backward": activations + loss_transient + head_grad + fsdp_loss if last else 0,
-              "forward_end": activations + (2 * largest_unit if fsdp else 0)}
+              # the autocast cache holds every weight's copy until the forward ends
+              "forward_end": activations + unsaved_copies + (2 * largest_unit if fsdp else 0)}
     grads_done = head_grad
     below = activations - head_kept  # the head's saved tensors are freed by the loss backward
     for b in reversed(blocks):

@@ -22,23 +22,32 @@ class ParamCounts:
     mtp: int
 
 
-def _block_module_params(a: ModelArgs, moe: bool) -> dict[str, int]:
-    """Parameters of each linear and of the routed experts (all of them) of one block, by block-relative FQN: the
-    modules `[fp8]` can convert (the router gate and the norms are left out)."""
+def block_gemms(a: ModelArgs, moe: bool) -> dict[str, tuple[tuple[int, int, int], ...]]:
+    """The weight GEMMs of each linear and of the routed experts of one block, by block-relative FQN: the modules
+    `[fp8]` can convert (the router gate and the norms are left out). Each is (in_features, out_features, copies):
+    copies is the number of routed experts for their stacked weights (w1 and w3: dim -> hidden, w2: hidden -> dim).
+    The memory plan sizes FP8 working memory from these shapes."""
     qk = a.n_heads * a.qk_head_dim
-    params = ({"attention.wq": a.dim * qk} if a.q_lora_rank == 0
-              else {"attention.wq_a": a.dim * a.q_lora_rank, "attention.wq_b": a.q_lora_rank * qk})
-    params["attention.wkv_a"] = a.dim * (a.kv_lora_rank + a.qk_rope_head_dim)
-    params["attention.wkv_b"] = a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)
-    params["attention.wo"] = a.n_heads * a.v_head_dim * a.dim
+    gemms = ({"attention.wq": ((a.dim, qk, 1),)} if a.q_lora_rank == 0
+             else {"attention.wq_a": ((a.dim, a.q_lora_rank, 1),), "attention.wq_b": ((a.q_lora_rank, qk, 1),)})
+    gemms["attention.wkv_a"] = ((a.dim, a.kv_lora_rank + a.qk_rope_head_dim, 1),)
+    gemms["attention.wkv_b"] = ((a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), 1),)
+    gemms["attention.wo"] = ((a.n_heads * a.v_head_dim, a.dim, 1),)
     if not moe:
         ffns = {"feed_forward": a.inter_dim}
     else:
-        params["moe.experts"] = a.n_routed_experts * 3 * a.dim * a.moe_inter_dim
+        E, hidden = a.n_routed_experts, a.moe_inter_dim
+        gemms["moe.experts"] = ((a.dim, hidden, E), (a.dim, hidden, E), (hidden, a.dim, E))
         ffns = {"moe.shared_experts": a.moe_inter_dim * a.n_shared_experts} if a.n_shared_experts else {}
     for ffn, hidden in ffns.items():
-        params.update({f"{ffn}.{w}": a.dim * hidden for w in ("w1", "w2", "w3")})
-    return params
+        gemms.update({f"{ffn}.w1": ((a.dim, hidden, 1),), f"{ffn}.w2": ((hidden, a.dim, 1),),
+                      f"{ffn}.w3": ((a.dim, hidden, 1),)})
+    return gemms
+
+
+def _block_module_params(a: ModelArgs, moe: bool) -> dict[str, int]:
+    """Parameters of each module of `block_gemms` (the routed experts: all of them)."""
+    return {fqn: sum(i * o * copies for i, o, copies in shapes) for fqn, shapes in block_gemms(a, moe).items()}
 
 
 def _block_params(a: ModelArgs, moe: bool) -> tuple[int, int]:

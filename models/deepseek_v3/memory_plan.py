@@ -6,9 +6,12 @@ Sizes assume balanced routing (every expert rank receives T * top_k rows). See d
 
 from __future__ import annotations
 
+from parallelisms.fp8 import BLOCK, gemm_backward_extra_bytes, is_selected
 from trainer.memory_plan import BlockMemory, Item, Shape, StageMemory
 
 from .args import ModelArgs
+from .flops import block_gemms
+from .moe import CPU_GROUP_ALIGN
 
 _I64, _F32 = 8, 4
 _FFN_PREFIXES = ("router", "dispatch", "experts", "combine", "ep.", "shared", "feed_forward", "aux")
@@ -39,8 +42,17 @@ def sdpa_path(sh: Shape) -> str:
     return "flash_padded_v" if sh.act == 2 else "math"
 
 
-def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False) -> list[Item]:
-    """Every tensor of interest one transformer block creates in forward, for one microbatch."""
+def expert_row_align(sh: Shape, fp8_experts: bool) -> int:
+    """The multiple each expert's rows are padded to before the grouped GEMMs (`moe._experts_grouped_mm`): FP8's
+    tile (128), oneDNN's kernel-cache granule for bf16 on CPU, or 1 (no padding)."""
+    if fp8_experts:
+        return BLOCK
+    return CPU_GROUP_ALIGN if sh.device == "cpu" and sh.act == 2 else 1
+
+
+def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False, expert_align: int = 1) -> list[Item]:
+    """Every tensor of interest one transformer block creates in forward, for one microbatch; the routed experts'
+    rows padded to multiples of `expert_align` (a fixed-size layout: every expert gains align - 1 rows)."""
     T, a, D, H = sh.T, sh.act, args.dim, args.n_heads
     sdpa = sdpa_path(sh)
     items = [Item("input", T * D * a, True, "input")]
@@ -80,6 +92,7 @@ def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False) -
         return items + _swiglu("feed_forward", T, D, args.inter_dim, a, "mm")
     E, K = args.n_routed_experts, args.n_activated_experts
     N = T * K  # rows into the experts of this rank: T * top_k on average, whatever the EP degree
+    P = N + E // sh.ep * (expert_align - 1)  # the same rows in the padded layout the grouped GEMMs run on
     I = args.moe_inter_dim
     if a != _F32:
         items.append(Item("router.x_fp32", T * D * _F32, True, "other"))
@@ -87,14 +100,16 @@ def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False) -
               Item("router.scores", T * E * _F32, True, "softmax"),
               Item("router.topk", T * K * (_I64 + _F32), True, "topk"),
               Item("dispatch.order", 2 * N * _I64, True, "other"),
-              Item("experts.x", N * D * a, True, "other"),
-              Item("experts.w1", N * I * a, True, "grouped_mm"),
-              Item("experts.w3", N * I * a, True, "grouped_mm"),
-              Item("experts.silu", N * I * a, True, "silu"),
-              Item("experts.prod", N * I * a, True, "mul"),
-              Item("experts.w2", N * D * a, False, "grouped_mm"),
+              Item("experts.x", P * D * a, True, "other"),
+              Item("experts.w1", P * I * a, True, "grouped_mm"),
+              Item("experts.w3", P * I * a, True, "grouped_mm"),
+              Item("experts.silu", P * I * a, True, "silu"),
+              Item("experts.prod", P * I * a, True, "mul"),
+              Item("experts.w2", P * D * a, False, "grouped_mm"),
               Item("experts.y", N * D * a, True, "other"),
               Item("combine.weights_index", N * (_F32 + _I64), True, "other")]
+    if P > N:
+        items.append(Item("experts.padded_row", N * _I64, True, "other"))  # where each row went, for the way back
     if sh.ep > 1:
         # all-to-all outputs (tokens there and back) and the regrouping indices
         items += [Item("ep.recv", N * D * a, False, "all_to_all"),
@@ -121,11 +136,32 @@ def _unit_numel(args: ModelArgs) -> dict[str, int]:
             "experts": 3 * args.n_routed_experts * D * args.moe_inter_dim}
 
 
+def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, fp8_cfg, expert_align: int) -> tuple[int, int]:
+    """(attention, FFN) half of a block: the most any one of its FP8 GEMMs' backward allocates beyond the
+    high-precision backward (`parallelisms.fp8.gemm_backward_extra_bytes`); (0, 0) with recipe none."""
+    extra = {"attention": 0, "ffn": 0}
+    if fp8_cfg.recipe == "none":
+        return 0, 0
+    N = sh.T * args.n_activated_experts
+    for fqn, gemms in block_gemms(args, moe).items():
+        if not is_selected(fqn, fp8_cfg):
+            continue
+        half = "attention" if fqn.startswith("attention.") else "ffn"
+        for k, n, copies in gemms:
+            experts = copies // sh.ep if copies > 1 else 0
+            rows = N + experts * (expert_align - 1) if experts else sh.T
+            b = gemm_backward_extra_bytes(fp8_cfg.recipe, rows, k, n, sh.act, experts)
+            extra[half] = max(extra[half], b)
+    return extra["attention"], extra["ffn"]
+
+
 def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, units: dict[str, int], unit_bytes: dict[str, int],
-           shard: int) -> BlockMemory:
+           shard: int, fp8_cfg) -> BlockMemory:
     T, a = sh.T, sh.act
     moe = layer >= args.n_dense_layers
-    items = block_items(args, moe, sh, aux_loss)
+    fp8_experts = moe and fp8_cfg.recipe != "none" and is_selected("moe.experts", fp8_cfg)
+    align = expert_row_align(sh, fp8_experts)
+    items = block_items(args, moe, sh, aux_loss, align)
     ffn = sum(it.nbytes for it in items if it.saved and it.name.startswith(_FFN_PREFIXES))
     # the attention backward holds the score gradient and the softmax gradient at once (math path)
     attn_ws = 2 * sh.B * args.n_heads * sh.S * sh.S * _F32 if sdpa_path(sh) == "math" else \
@@ -134,6 +170,9 @@ def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, units: dict[s
     ffn_ws = 3 * max(T * args.n_activated_experts * args.moe_inter_dim if moe else 0, T * hidden) * a
     if moe and sh.ep > 1:
         ffn_ws += 2 * T * args.n_activated_experts * args.dim * a  # all-to-all buffers of the gradients
+    fp8_attn, fp8_ffn = fp8_backward_extra(args, moe, sh, fp8_cfg, align)
+    attn_ws += fp8_attn
+    ffn_ws += fp8_ffn
     unit = unit_bytes["moe_block" if moe else "dense_block"] + (unit_bytes["experts"] if moe else 0)
     local_numel = (units["moe_block"] + units["experts"] // sh.ep) // shard if moe else \
         units["dense_block"] // shard
@@ -158,7 +197,7 @@ def stage_memory(args: ModelArgs, job_config, sh: Shape, names: list[str] | None
     n_moe = sum(1 for i in layers if i >= args.n_dense_layers)
     rope_tables = 2 * args.max_seq_len * args.qk_rope_head_dim // 2 * _F32  # cos and sin
     return StageMemory(
-        blocks=[_block(args, i, sh, aux_loss, units, unit_bytes, shard) for i in layers],
+        blocks=[_block(args, i, sh, aux_loss, units, unit_bytes, shard, job_config.fp8) for i in layers],
         first="tok_embeddings" in names, last="output" in names,
         embedding_kept=T * _I64, embedding_unit_bytes=unit_bytes["embedding"],
         head_kept=3 * T * D * a + T * V * _F32,  # final norm, output input, log_softmax out

@@ -130,7 +130,7 @@ class GroupedExperts(nn.Module):
 # (the cost is in docs/performance.md, "MoE layer vs the FLOPs-equivalent dense FFN");
 # routing changes every expert's row count at every step, so there the groups are padded with zero rows to a
 # multiple of this: the row counts take few distinct values and hit the cache. fp32 GEMMs have no such cost.
-_CPU_GROUP_ALIGN = 32
+CPU_GROUP_ALIGN = 32
 
 
 def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded=True, quantized_mm=None):
@@ -163,7 +163,7 @@ def _experts_grouped_mm(x_ND, w1, w2, w3, counts_E, padded=True, quantized_mm=No
         return torch.where(valid_N1, out, 0) if padded else out
     w1, w2, w3 = (w.to(compute_dtype).transpose(-2, -1) for w in (w1, w2, w3))
     if x.device.type == "cpu" and compute_dtype in (torch.bfloat16, torch.float16):
-        out = _swiglu_row_aligned(x, w1, w2, w3, counts_E, _CPU_GROUP_ALIGN)
+        out = _swiglu_row_aligned(x, w1, w2, w3, counts_E, CPU_GROUP_ALIGN)
     else:
         out = _swiglu_grouped(x, w1, w2, w3, offsets_E)
     return torch.where(valid_N1, out, 0) if padded else out
