@@ -238,7 +238,9 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     """`torch._grouped_mm(x, w.transpose(-2, -1), offs)` with e4m3 inputs quantised by `recipe`.
 
     x_PK holds the rows of expert e in [offs[e-1], offs[e]), each group starting on a multiple of 128 rows, so
-    the weight gradient's token tiles never straddle two experts; rows past offs[-1] come out as zeros and get a
+    the weight gradient's token tiles never straddle two experts, and P is a multiple of 128 (the rowwise weight
+    gradient's transposed operands are then laid out as `_grouped_mm` requires); rows past offs[-1] come out as
+    zeros and get a
     zero gradient (CPU `_grouped_mm` leaves them uninitialised). An expert with no rows gets a zero weight
     gradient.
     """
@@ -288,7 +290,8 @@ def _zero_tail(t_PX: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
 def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str) -> torch.Tensor:
     """Rows of expert e times w[e]^T, in e4m3 by `recipe`, computed in x's dtype (autocast off inside).
 
-    Groups must start on multiples of 128 rows (pad them with zero rows); see `_Fp8GroupedMMFn`.
+    Groups must start on multiples of 128 rows, and the row count be one (pad with zero rows); see
+    `_Fp8GroupedMMFn`.
     """
     with torch.autocast(x_PK.device.type, enabled=False):
         return _Fp8GroupedMMFn.apply(x_PK, w_ENK.to(x_PK.dtype), offs_E, recipe)
@@ -297,8 +300,8 @@ def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
 class Fp8GroupedMM:
     """`fp8_grouped_mm` with a fixed recipe, as the routed experts call it (`models.common.grouped_mm`).
 
-    Groups start on multiples of 128 rows: the token tiles of the weight gradients' quantisation must not straddle
-    two experts.
+    Groups start on multiples of 128 rows, and the row count is one: the token tiles of the weight gradients'
+    quantisation must not straddle two experts.
     """
 
     row_align = BLOCK

@@ -98,7 +98,7 @@ def test_debug_row_within_15_percent_of_measured(tmp_path, extra):
 
 def test_fp8_plan_knows_the_recipe():
     """With FP8 experts each expert's rows are padded to multiples of 128 (the plan's expert items grow by E x 127
-    rows of the same widths) and every block's backward working set grows by its largest FP8 GEMM's copies; the
+    rows, and the total to a multiple of 128) and every block's backward working set grows by its largest FP8 GEMM's copies; the
     state (parameters, gradients, AdamW) does not change: checkpoints and the optimizer hold master weights."""
     base = ["--job.config_file", os.path.join(CONFIGS, "debug_model.toml"), "--training.local_batch_size", "4",
             "--training.seq_len", "128"]
@@ -110,9 +110,10 @@ def test_fp8_plan_knows_the_recipe():
 
     args = FLAVORS["debugmodel"]
     moe_layers = args.n_layers - args.n_dense_layers
-    padded = args.n_routed_experts * 127
+    rows = 4 * 128 * args.n_activated_experts
+    padded = -(-(rows + args.n_routed_experts * 127) // 128) * 128 - rows  # each expert + the total to 128 rows
     # padded rows: the experts' input (dim) and the 4 hidden-width tensors kept, plus each row's new position
-    per_layer = padded * (args.dim + 4 * args.moe_inter_dim) * 4 + 4 * 128 * args.n_activated_experts * 8
+    per_layer = padded * (args.dim + 4 * args.moe_inter_dim) * 4 + rows * 8
     assert fp8["activation_bytes"] - none["activation_bytes"] == moe_layers * per_layer
     assert fp8["transients"]["backward_working_set"] > none["transients"]["backward_working_set"]
 

@@ -18,7 +18,7 @@ QUANTIZED_MM = "quantized_mm"
 class QuantizedGroupedMM(Protocol):
     """A grouped GEMM in a lower precision: rows of group e times w[e]^T, computed in x's dtype."""
 
-    #: every group must start on a multiple of this many rows (pad the groups with zero rows)
+    #: every group must start on a multiple of this many rows, and the row count be one (pad with zero rows)
     row_align: int
 
     def __call__(self, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from trainer.memory_plan import BlockMemory, Item, Shape, StageMemory
 
 from .args import ModelArgs
 from .flops import block_gemms
-from .moe import CPU_GROUP_ALIGN
+from .moe import CPU_GROUP_ALIGN, padded_rows
 
 _I64, _F32 = 8, 4
 _FFN_PREFIXES = ("router", "dispatch", "experts", "combine", "ep.", "shared", "feed_forward", "aux")
@@ -52,7 +52,7 @@ def expert_row_align(sh: Shape, fp8_experts: bool) -> int:
 
 def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False, expert_align: int = 1) -> list[Item]:
     """Every tensor of interest one transformer block creates in forward, for one microbatch; the routed experts'
-    rows padded to multiples of `expert_align` (a fixed-size layout: every expert gains align - 1 rows)."""
+    rows padded to multiples of `expert_align` (`moe.padded_rows`: a fixed-size layout)."""
     T, a, D, H = sh.T, sh.act, args.dim, args.n_heads
     sdpa = sdpa_path(sh)
     items = [Item("input", T * D * a, True, "input")]
@@ -92,7 +92,7 @@ def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False, e
         return items + _swiglu("feed_forward", T, D, args.inter_dim, a, "mm")
     E, K = args.n_routed_experts, args.n_activated_experts
     N = T * K  # rows into the experts of this rank: T * top_k on average, whatever the EP degree
-    P = N + E // sh.ep * (expert_align - 1)  # the same rows in the padded layout the grouped GEMMs run on
+    P = padded_rows(N, E // sh.ep, expert_align)  # the same rows in the padded layout the grouped GEMMs run on
     I = args.moe_inter_dim
     if a != _F32:
         items.append(Item("router.x_fp32", T * D * _F32, True, "other"))
@@ -149,7 +149,7 @@ def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, fp8_cfg, expert_al
         half = "attention" if fqn.startswith("attention.") else "ffn"
         for k, n, copies in gemms:
             experts = copies // sh.ep if copies > 1 else 0
-            rows = N + experts * (expert_align - 1) if experts else sh.T
+            rows = padded_rows(N, experts, expert_align) if experts else sh.T
             b = gemm_backward_extra_bytes(fp8_cfg.recipe, rows, k, n, sh.act, experts)
             extra[half] = max(extra[half], b)
     return extra["attention"], extra["ffn"]

@@ -187,12 +187,19 @@ def _swiglu_quantized(x, w1, w2, w3, counts_E, mm: QuantizedGroupedMM):
     return mm(h, w2, offsets_E).index_select(0, dest_N)
 
 
+def padded_rows(num_rows: int, num_experts: int, align: int) -> int:
+    """Rows of the layout `_align_rows` makes for num_rows rows over num_experts groups padded to `align`."""
+    return -(-(num_rows + num_experts * (align - 1)) // align) * align
+
+
 def _align_rows(x, counts_E, align: int):
     """x's rows (grouped by expert, counts_E each) with every group padded with zero rows to a multiple of
     `align`: returns (x_P, dest_N: the padded row of each row of x, int32 end offsets of the padded groups).
 
-    The padded layout has a fixed size (every group gains at most align - 1 rows), so shapes never depend on the
-    routing. Rows go in with `index_copy_` and come out with `index_select`, whose backward passes only read and
+    The padded layout has a fixed size (every group gains at most align - 1 rows, and the total is rounded up to a
+    multiple of align), so shapes never depend on the routing, and the transposed layouts of the weight gradients
+    have row strides that are multiples of 16 bytes, as `_grouped_mm` requires (under EP a rank's row count is
+    anything). Rows go in with `index_copy_` and come out with `index_select`, whose backward passes only read and
     write the rows of the groups: the uninitialised rows `_grouped_mm` leaves past the last group are never read.
     """
     N, E = x.shape[0], counts_E.shape[0]
@@ -204,7 +211,7 @@ def _align_rows(x, counts_E, align: int):
     # rows past sum(counts) (zeroed padding of the input) ride along with the last expert
     expert_N = torch.bucketize(rows_N, ends_E, right=True).clamp_(max=E - 1)
     dest_N = rows_N + shift_E[expert_N]
-    x_P = x.new_zeros(N + E * (align - 1), x.shape[1]).index_copy_(0, dest_N, x)
+    x_P = x.new_zeros(padded_rows(N, E, align), x.shape[1]).index_copy_(0, dest_N, x)
     return x_P, dest_N, padded_ends_E.to(torch.int32)
 
 
