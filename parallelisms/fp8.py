@@ -140,26 +140,34 @@ def quantize_segments(t: torch.Tensor, segment_C: torch.Tensor, num_segments: in
     return torch.div(t, scaled, out=scaled).to(E4M3), scale
 
 
-@torch.library.custom_op("dsv3_fp8::qdq", mutates_args=())
 def _qdq(t: torch.Tensor, tile_rows: int, tile_cols: int, dtype: torch.dtype) -> torch.Tensor:
     """Quantise and dequantise [R, C] (the operand a GEMM emulating e4m3 inputs multiplies), in one pass over
     the tiles: `dequantize(*quantize(t, ...), ...)` without materialising the e4m3 tensor's layout twice.
 
     Working memory beyond t and the result: the fp32 tiles (4 bytes per element, scaled in place) and the e4m3
-    copy (1), then the e4m3 copy only: `QDQ_WORK_BYTES` per element (docs/fp8.md, "Memory").
-
-    A custom op, so that torch.compile runs it as one opaque kernel: inductor's CPU code generation fails on the
-    block graphs that fuse its tilings with their neighbours (an assertion in its loop split, torch 2.11-2.13)."""
+    copy (1), then the e4m3 copy only: `QDQ_WORK_BYTES` per element (docs/fp8.md, "Memory"). Under torch.compile
+    it is the custom op `_qdq_op`."""
+    if torch.compiler.is_compiling():
+        return _qdq_op(t, tile_rows, tile_cols, dtype)
     R, C = t.shape
     tiles = _tiles(t, tile_rows, tile_cols)
     scale = _pow2_scale(_tile_amax(tiles, keepdim=True))
     q = tiles.div_(scale).to(E4M3)
     del tiles  # freed before the dequantised copy exists
     deq = q.to(dtype).mul_(scale.to(dtype))
-    return deq.view(-1, q.shape[2] * tile_cols)[:R, :C].contiguous()
+    return deq.view(-1, q.shape[2] * tile_cols)[:R, :C]
 
 
-@_qdq.register_fake
+@torch.library.custom_op("dsv3_fp8::qdq", mutates_args=())
+def _qdq_op(t: torch.Tensor, tile_rows: int, tile_cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """`_qdq` as one opaque kernel for torch.compile: inductor's CPU code generation fails on block graphs that
+    fuse its tilings with their neighbours (an assertion in its loop split, torch 2.13). Eager code calls `_qdq`
+    itself, so that exact memory tracking sees its working memory (a dispatch mode sees a custom op's inner ops
+    not at all)."""
+    return _qdq(t, tile_rows, tile_cols, dtype).contiguous()
+
+
+@_qdq_op.register_fake
 def _(t: torch.Tensor, tile_rows: int, tile_cols: int, dtype: torch.dtype) -> torch.Tensor:
     return t.new_empty(t.shape, dtype=dtype)
 
