@@ -3,7 +3,7 @@
 # cut to 4 layers (train_configs/h100_bench.toml) in the variants issue 14 asks for, and the CUDA tests.
 #
 #   bash benchmarks/gpu_session.sh                  # everything; writes to $OUT if set, else outputs/gpu_session
-#   PARTS="bench" bash benchmarks/gpu_session.sh    # only some of: tests bench (default: both)
+#   PARTS="bench" bash benchmarks/gpu_session.sh    # only some of: tests bench fp8 (default: tests bench)
 #   DEADLINE_S=1000 bash benchmarks/gpu_session.sh  # more than the default 540 s in all
 #   CONFIG=... BENCH_ARGS="--steps 20" bash ...      # another config, or flags added to every benchmark run
 #
@@ -81,6 +81,13 @@ if [[ " $parts " == *" bench "* ]]; then
   bench throughput_b2_compile 240 --compile.enable true
   bench throughput_b2_ac_full 90 --activation_checkpoint.mode full
   bench throughput_b2_ac_selective 90 --activation_checkpoint.mode selective
+fi
+
+# (3b) FP8 (docs/fp8.md): the same shapes with each recipe; blockwise leaves out the dense FFN (10944 wide, not a
+# multiple of 128) besides wkv_a
+if [[ " $parts " == *" fp8 "* ]]; then
+  bench throughput_b2_fp8_rowwise 120 --fp8.recipe rowwise
+  bench throughput_b2_fp8_blockwise 120 --fp8.recipe blockwise --fp8.exclude_modules attention.wkv_a,feed_forward
 fi
 
 # (4) the CUDA tests, then the model's tests and the benchmark's schema on the GPU
