@@ -73,7 +73,7 @@ E4M3_MAX = 448.0
 BLOCK = 128
 #: every dim of a rowwise GEMM operand must be a multiple of this (torch._scaled_mm's constraint on CUDA)
 ROWWISE_ALIGN = 16
-#: peak bytes per element that `_qdq` allocates besides its input and its result: fp32 tiles + their e4m3 copy
+#: peak bytes per element that `_qdq` allocates besides its input, its result included: fp32 tiles + e4m3 copy
 QDQ_WORK_BYTES = 5
 
 
@@ -144,8 +144,8 @@ def _qdq(t: torch.Tensor, tile_rows: int, tile_cols: int, dtype: torch.dtype) ->
     """Quantise and dequantise [R, C] (the operand a GEMM emulating e4m3 inputs multiplies), in one pass over
     the tiles: `dequantize(*quantize(t, ...), ...)` without materialising the e4m3 tensor's layout twice.
 
-    Working memory beyond t and the result: the fp32 tiles (4 bytes per element, scaled in place) and the e4m3
-    copy (1), then the e4m3 copy only: `QDQ_WORK_BYTES` per element (docs/fp8.md, "Memory"). Under torch.compile
+    Memory beyond t: the fp32 tiles (4 bytes per element, scaled in place) and the e4m3 copy (1), then the e4m3
+    copy and the result (at most 4): `QDQ_WORK_BYTES` per element at the peak (docs/fp8.md, "Memory"). Under torch.compile
     it is the custom op `_qdq_op`."""
     if torch.compiler.is_compiling():
         return _qdq_op(t, tile_rows, tile_cols, dtype)

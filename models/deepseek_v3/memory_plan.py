@@ -139,9 +139,9 @@ def _unit_numel(args: ModelArgs) -> dict[str, int]:
 def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, fp8_cfg, expert_align: int) -> tuple[int, int]:
     """(attention, FFN) half of a block: the most any one of its FP8 GEMMs' backward allocates beyond the
     high-precision backward (`parallelisms.fp8.gemm_backward_extra_bytes`); (0, 0) with recipe none."""
-    extra = {"attention": 0, "ffn": 0}
     if fp8_cfg.recipe == "none":
         return 0, 0
+    extra = {"attention": 0, "ffn": 0}
     N = sh.T * args.n_activated_experts
     for fqn, gemms in block_gemms(args, moe).items():
         if not is_selected(fqn, fp8_cfg):
