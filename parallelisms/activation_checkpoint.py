@@ -36,7 +36,9 @@ region is traced; the policy reads the module stack each traced node records ins
 be compiled (the composable checkpoint's hooks break the trace); `ac_config_problem` rejects that combination.
 
 SAC caches the saved outputs per op in call order and hands them back by position during recompute, so a block
-must dispatch the same sequence of each saved op in forward and in recompute. Work that runs in forward only
+must dispatch the same sequence of each saved op in forward and in recompute. FSDP's runtime inside a region (the
+all-gather of experts sharded on their own mesh) differs between the two passes by design; `_RuntimeBypass` keeps
+it out of SAC's bookkeeping (docs/activation_checkpointing.md, "Why AC crashed on FSDP-sharded experts"). Work that runs in forward only
 (statistics guarded by `models.common.recompute.in_recompute`) must therefore not use an op that a policy
 saves (`_to_copy` included: d2h copies are saved). Process-wide state (comm buffers) must be created before the
 first forward, outside any checkpointed region: ops run while creating it would enter the SAC cache.
@@ -59,8 +61,8 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from models.common.token_dispatch import TokenDispatcher
 from parallelisms.moe_comm.registry import COMM_BACKENDS, backend_save_ops, on_register
@@ -107,15 +109,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# FSDP2's hooks on a separately sharded submodule of a block (expert weights under EP) call
-# torch.profiler.record_function inside the checkpointed block, a different number of times in forward and in the
-# recompute (the unshard state differs). SAC counts every op it sees and refuses a count mismatch, so these no-op
-# markers are excluded from its bookkeeping, like torch's own detach (torch.utils.checkpoint.SAC_IGNORED_OPS is the
-# documented-by-code hook for that).
-SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
-                        torch.ops.profiler._record_function_exit._RecordFunction})
-
 
 # ----------------------------------------------------------------------------------------------- the op table
 
@@ -453,25 +446,99 @@ class _ScopeTracker:
                               "parameters)", RuntimeWarning)
 
 
-class _PassContext:
-    """Enters one pass's SAC dispatch mode with a fresh scope state around it."""
+# ----------------------------------------------------------------------------------------------- SAC passes
 
-    def __init__(self, tracker: _ScopeTracker, mode: TorchDispatchMode, is_forward: bool):
-        self._tracker = tracker
+_RECORD_ENTER = torch.ops.profiler._record_function_enter_new.default
+_RECORD_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
+
+
+class _RuntimeBypass(TorchDispatchMode):
+    """Keeps FSDP's runtime out of SAC's replay: entered directly on top of one pass's SAC mode.
+
+    SAC replays a region by counting each op: the n-th call of an op in the recompute gets what the n-th call in
+    forward saved, and an op the forward never ran is an error. That holds for the model's computation, not for
+    FSDP's runtime, whose work inside a region depends on the unshard state: a module sharded on its own inside a
+    checkpointed block (the routed experts under EP, on the experts mesh) has its all-gather issued in forward by
+    the previous unit's prefetch, outside the region, but in the recompute by its own pre-forward hook, inside it
+    (nothing prefetches it there: it was resharded after forward). So the recompute runs ops the forward never
+    ran (`fsdp.all_gather_copy_in`, the bf16 copy-in's splits) and SAC refuses the replay.
+
+    FSDP labels all its runtime with `record_function("FSDP::...")`. Ops dispatched inside such a range, and the
+    profiler markers themselves, skip the SAC mode below (the modes under it, e.g. the memory tracker, still see
+    them): they run in both passes as FSDP decides, and neither saves nor counts them. The model's ops are
+    replayed exactly as before; what the policy saves is unchanged. (pytorch/pytorch#196862 proposes the same
+    bypass inside FSDP.)
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Like the SAC modes: compiled pieces inside the region (EP blocks compile their parts) run as one op."""
+        return True
+
+    def __init__(self, sac_mode: TorchDispatchMode):
+        super().__init__()
+        self._sac_mode = sac_mode
+        self._open = 0  # record_function ranges open in this pass
+        self._runtime_from: int | None = None  # how many were open when an FSDP range opened
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _RECORD_ENTER:
+            if self._runtime_from is None and str(args[0]).startswith("FSDP::"):
+                self._runtime_from = self._open
+            self._open += 1
+            return self._skip_sac(func, args, kwargs)
+        if func is _RECORD_EXIT:
+            self._open -= 1
+            if self._runtime_from == self._open:
+                self._runtime_from = None
+            return self._skip_sac(func, args, kwargs)
+        if self._runtime_from is not None:
+            return self._skip_sac(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _skip_sac(self, func, args, kwargs):
+        with _pop_mode_temporarily() as below:
+            if below is not self._sac_mode:
+                raise RuntimeError("activation checkpointing: a dispatch mode was entered between the SAC mode and "
+                                   "its FSDP bypass")
+            return func(*args, **kwargs)
+
+
+class _SACPass:
+    """One pass (forward or recompute) of a SAC region: its SAC mode with a fresh `_RuntimeBypass` on top, and
+    optionally a fresh scope state of `tracker` around both."""
+
+    def __init__(self, mode: TorchDispatchMode, tracker: _ScopeTracker | None = None, is_forward: bool = False):
         self._mode = mode
+        self._tracker = tracker
         self._is_forward = is_forward
+        self._bypass: _RuntimeBypass | None = None
         self._previous: _PassState | None = None
 
     def __enter__(self):
-        self._previous = self._tracker.begin()
+        if self._tracker is not None:
+            self._previous = self._tracker.begin()
         self._mode.__enter__()
+        self._bypass = _RuntimeBypass(self._mode)
+        self._bypass.__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb):
         try:
+            self._bypass.__exit__(exc_type, exc, tb)
             return self._mode.__exit__(exc_type, exc, tb)
         finally:
-            self._tracker.end(self._previous, check_entered=self._is_forward and exc_type is None)
+            if self._tracker is not None:
+                self._tracker.end(self._previous, check_entered=self._is_forward and exc_type is None)
+
+
+def _sac_contexts(policy_fn: Callable[..., CheckpointPolicy],
+                 tracker: _ScopeTracker | None = None) -> tuple[_SACPass, _SACPass]:
+    """`torch.utils.checkpoint` contexts for `policy_fn` in eager mode: torch's SAC modes (fresh storage per call),
+    each with the FSDP runtime bypass, and with `tracker`'s per-pass scope state when given."""
+    fwd_mode, recompute_mode = create_selective_checkpoint_contexts(policy_fn)
+    return _SACPass(fwd_mode, tracker, True), _SACPass(recompute_mode, tracker, False)
 
 
 # ----------------------------------------------------------------------------------------------- the SAC policy
@@ -505,7 +572,7 @@ class _SelectivePolicy:
             for targets, direct, kinds in self.tracker.rules
         ]
 
-    def context_fn(self) -> Callable[[], tuple[_PassContext, _PassContext]]:
+    def context_fn(self) -> Callable[[], tuple[Any, Any]]:
         """`context_fn` for `torch.utils.checkpoint` (a partial: the form torch.compile accepts)."""
         return functools.partial(_pass_contexts, self)
 
@@ -532,15 +599,15 @@ class _SelectivePolicy:
         return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _pass_contexts(policy: _SelectivePolicy) -> tuple[_PassContext, _PassContext]:
+def _pass_contexts(policy: _SelectivePolicy) -> tuple[Any, Any]:
     """A fresh SAC cache and scope state per checkpointed call: (forward context, recompute context)."""
     policy._resolve()
-    fwd_mode, recompute_mode = create_selective_checkpoint_contexts(policy)
     if fx_traceback.has_preserved_node_meta():
         # torch.compile runs the region as a graph (it insists on bare dispatch modes then): module hooks do not
-        # fire, so the policy reads each node's module stack instead (`_ScopeTracker.running`).
-        return fwd_mode, recompute_mode
-    return _PassContext(policy.tracker, fwd_mode, True), _PassContext(policy.tracker, recompute_mode, False)
+        # fire, so the policy reads each node's module stack instead (`_ScopeTracker.running`). FSDP's hooks
+        # are dynamo-disabled and never inside such a graph.
+        return create_selective_checkpoint_contexts(policy)
+    return _sac_contexts(policy, policy.tracker)
 
 
 # ----------------------------------------------------------------------------------------------- apply
@@ -581,7 +648,7 @@ def _routing_metadata_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _keep_routing_metadata():
     """context_fn of full AC for EP blocks (see `_routing_metadata_policy`)."""
-    return create_selective_checkpoint_contexts(_routing_metadata_policy)
+    return _sac_contexts(_routing_metadata_policy)
 
 
 def apply_ac(layers: nn.ModuleDict, ac_cfg, recompute_modules: RecomputeTable) -> None:

@@ -509,6 +509,70 @@ def test_forward_and_recompute_dispatch_the_same_savable_ops(baseline):
     assert {k: n for k, n in forward.items() if k in savable} == {k: n for k, n in again.items() if k in savable}
 
 
+# ----------------------------------------------------------------------------------------------- FSDP's runtime
+
+class _LazyUnshard(nn.Module):
+    """Stands in for a separately FSDP-sharded submodule (the routed experts under EP): a pre-forward hook labelled
+    like FSDP's runtime (`record_function("FSDP::...")`) "all-gathers" its weight (a cat and a matmul, ops a policy
+    may save) only when nothing has done it yet, so in forward (where a prefetch did it) and in the recompute (where
+    nothing does) the hook dispatches different ops, as FSDP2's does."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+        self.gathered = False
+        self.register_forward_pre_hook(self._unshard)
+
+    def _unshard(self, module, args):
+        with torch.profiler.record_function("FSDP::pre_forward (experts)"):
+            if not self.gathered:
+                torch.cat([self.weight.detach()] * 2) @ torch.ones(self.weight.shape[1], 1)
+                self.gathered = True
+
+    def forward(self, x):
+        return torch.relu(x @ self.weight)
+
+
+class _UnshardBlock(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.experts = _LazyUnshard(d)
+
+    def forward(self, x):
+        return self.inp(x) + self.experts(x)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full_ep"])
+def test_fsdp_runtime_in_a_checkpointed_block_stays_out_of_sac_replay(mode, monkeypatch):
+    """Before the bypass this raised `aten.cat.default encountered during backward but not found in storage` (the
+    shape of `fsdp.all_gather_copy_in` crashing fsdp4 x ep2 with AC). Now: the same gradients as without AC, and
+    the runtime's ops still reach a dispatch mode below the SAC mode (where the memory tracker sits)."""
+    from parallelisms import activation_checkpoint as ac_module
+
+    def grads(cfg):
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.layers = nn.ModuleDict({"0": _UnshardBlock()})
+        if mode == "full_ep":  # full AC of an EP block runs the routing-metadata SAC policy
+            monkeypatch.setattr(ac_module, "_syncs_with_host", lambda block: True)
+        apply_ac(model.layers, cfg, {})
+        model.layers["0"].experts.gathered = True  # "prefetched" before the forward region
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        below = OpCounter()
+        with below:
+            out = model.layers["0"](x)
+            model.layers["0"].experts.gathered = False  # "resharded after forward": the recompute unshards
+            out.sum().backward()
+        return [p.grad.clone() for p in model.parameters()], below
+
+    reference, _ = grads(ac())
+    got, below = grads(ac(mode="selective", save_ops=["mm"]) if mode == "selective" else ac(mode="full"))
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    assert below.counts["aten.cat.default"] == 1  # the recompute's "all-gather", seen below the SAC mode
+
+
 # ----------------------------------------------------------------------------------------------- 2 ranks, all-to-all
 
 class _Exchange(nn.Module):

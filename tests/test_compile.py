@@ -225,7 +225,7 @@ def test_compile_gain_smoke_report_against_its_variants(capsys):
         "steady_rss_reduction": 1 - compiled["steady_peak_rss_bytes"] / eager["steady_peak_rss_bytes"]})}
 
 
-# ----------------------------------------------------------------------------------------------- 2 ranks, EP
+# ----------------------------------------------------------------------------------------------- 4 ranks, FSDP x EP
 
 BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
         "--training.global_batch_size", "4", "--training.local_batch_size", "1", "--training.steps", "6",
@@ -243,16 +243,18 @@ def launch(nproc: int, jobs: dict, tmp_path) -> dict:
 
 
 @pytest.mark.slow
-def test_two_ranks_expert_parallel_compiled_through_the_trainer(tmp_path):
-    """FSDP2 x EP=2 with the all-to-all dispatcher: the MoE blocks compile around the dispatcher's host sync.
+def test_four_ranks_sharded_experts_compiled_with_ac_through_the_trainer(tmp_path):
+    """FSDP 4 x EP 2 with the all-to-all dispatcher (each rank's experts FSDP-sharded over 2 ranks, resharded after
+    forward): the MoE blocks compile around the dispatcher's host sync, under full and selective AC, whose eager
+    checkpoints wrap the compiled pieces (tests/test_ac_matrix.py checks the eager run against one process).
 
     Validation (eval mode, no_grad) runs after steps 3 and 6: the first one compiles the eval graphs once.
     """
-    # full AC: the eager checkpoint wraps the compiled pieces. (Selective per-op AC with EP x FSDP is covered eagerly
-    # by tests/test_parallel.py.)
-    results = launch(2, {"eager": [], "compiled": ["--compile.enable", "true",
-                                                   "--activation_checkpoint.mode", "full"]}, tmp_path)
-    assert_compiled_around_dispatcher_like_eager(results["eager"], results["compiled"])
+    compiled = ["--compile.enable", "true", "--activation_checkpoint.mode"]
+    results = launch(4, {"eager": [], "compiled_full_ac": compiled + ["full"],
+                         "compiled_selective_ac": compiled + ["selective"]}, tmp_path)
+    for name in ("compiled_full_ac", "compiled_selective_ac"):
+        assert_compiled_around_dispatcher_like_eager(results["eager"], results[name])
 
 
 def assert_compiled_around_dispatcher_like_eager(eager: dict, compiled: dict) -> None:

@@ -171,12 +171,18 @@ def _validate_pipeline(cfg: JobConfig, pp: int) -> None:
                 f"gives {microbatches} pipeline microbatches but DualPipeV needs at least one per stage ({2 * pp})",
                 f"local_batch_size >= {2 * pp * mbs}",
             )
-        if cfg.activation_checkpoint.mode != "none":
-            raise ConfigError(
-                "activation_checkpoint.mode",
-                f"{cfg.activation_checkpoint.mode!r} cannot be combined with the DualPipeV schedule",
-                "none with DualPipeV",
-            )
+    if par.pipeline_parallel_schedule in ("ZBVZeroBubble", "DualPipeV") and cfg.activation_checkpoint.mode != "none":
+        # Both split each backward into an input-gradient and a later weight-gradient autograd pass. torch's
+        # non-reentrant checkpoint keeps recomputed activations per autograd pass, so the weight pass would
+        # recompute every checkpointed block again, and a per-op SAC region cannot be replayed twice ("Trying to
+        # backward an extra time"): refused here instead of crashing in the first backward.
+        raise ConfigError(
+            "activation_checkpoint.mode",
+            f"{cfg.activation_checkpoint.mode!r} cannot be combined with the {par.pipeline_parallel_schedule} "
+            "schedule (its separate weight-gradient pass would recompute every checkpointed block a second time)",
+            f"none with {par.pipeline_parallel_schedule}, or parallelism.pipeline_parallel_schedule 1F1B or "
+            "Interleaved1F1B with activation checkpointing",
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

