@@ -30,6 +30,8 @@ if [ "$NNODES" -gt 1 ]; then
 else
   rdzv=(--standalone)
 fi
+# torchrun through trainer.launch: a failed run ends with one line naming the rank and its error, and the rank's
+# exit code (docs/errors.md), instead of torchrun's failure report. TORCHRUN_ARGS take torchrun's options.
 # shellcheck disable=SC2086
-exec torchrun --nproc_per_node="$NGPU" "${rdzv[@]}" --max-restarts="$MAX_RESTARTS" ${TORCHRUN_ARGS:-} \
+exec python -m trainer.launch --nproc_per_node="$NGPU" "${rdzv[@]}" --max-restarts="$MAX_RESTARTS" ${TORCHRUN_ARGS:-} \
   -m trainer.train --job.config_file "$CONFIG_FILE" "$@"

@@ -38,10 +38,11 @@ be compiled (the composable checkpoint's hooks break the trace); `ac_config_prob
 SAC caches the saved outputs per op in call order and hands them back by position during recompute, so a block
 must dispatch the same sequence of each saved op in forward and in recompute. FSDP's runtime inside a region (the
 all-gather of experts sharded on their own mesh) differs between the two passes by design; `_RuntimeBypass` keeps
-it out of SAC's bookkeeping (docs/activation_checkpointing.md, "Why AC crashed on FSDP-sharded experts"). Work that runs in forward only
-(statistics guarded by `models.common.recompute.in_recompute`) must therefore not use an op that a policy
-saves (`_to_copy` included: d2h copies are saved). Process-wide state (comm buffers) must be created before the
-first forward, outside any checkpointed region: ops run while creating it would enter the SAC cache.
+it out of SAC's bookkeeping (docs/activation_checkpointing.md, "Why AC crashed on FSDP-sharded experts").
+Work that runs in forward only (statistics guarded by `models.common.recompute.in_recompute`) must therefore not use
+an op that a policy saves (`_to_copy` included: d2h copies are saved). Process-wide state (comm buffers) must be
+created before the first forward, outside any checkpointed region: ops run while creating it would enter the SAC
+cache.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from models.deepseek_v3.args import FLAVORS
 from models.deepseek_v3.hf import hf_config_from_args
 from trainer.job_config import load_config
-from trainer.leak_detector import SLOPE_TAG, LeakDetector, MemoryLeakError, theil_sen_slope
+from trainer.leak_detector import ALARM_TAG, SLOPE_TAG, LeakDetector, MemoryLeakError, theil_sen_slope
 from trainer.memory import MemoryMonitor, MemorySnapshots
 from trainer.train import Trainer, prepare
 
@@ -52,13 +52,17 @@ def test_per_step_leak_alarms_once_at_the_predicted_step(caplog):
     with caplog.at_level(logging.WARNING, logger="trainer.leak_detector"):
         verdicts = feed(detector, [100 * MiB + step * MiB for step in range(40)])
     assert verdicts[:14] == [None] * 14  # 5 warm-up steps + 9 steps filling the window
-    assert LeakDetector.to_scalars(verdicts[14]) == {SLOPE_TAG: 1.0}
+    assert detector.scalars(verdicts[14]) == {SLOPE_TAG: 1.0}
     assert [v.leaking for v in verdicts[14:]] == [False] * 4 + [True] * 22
     assert detector.alarm.step == ALARM_STEP and detector.alarm.first_step == ALARM_STEP - 9
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1
     assert "grows 1 MiB/step (Theil-Sen slope over steps 10-19; threshold 0.1 MiB/step)" in warnings[0]
-    assert LeakDetector.to_scalars(None) == {}
+    assert detector.scalars(None) == {}
+    # the alarm's step is marked once, the later steps carry the slope only
+    alarm_index = ALARM_STEP - 1
+    assert detector.scalars(verdicts[alarm_index]) == {SLOPE_TAG: 1.0, ALARM_TAG: 1.0}
+    assert ALARM_TAG not in detector.scalars(verdicts[alarm_index + 1])
 
 
 @pytest.mark.parametrize("jump", [1 * MiB, 1 << 30])
@@ -90,10 +94,14 @@ def test_growth_below_threshold_and_noise_are_not_leaks():
 
 
 def test_fail_on_leak_raises_one_line_after_the_callback():
+    """`update` records the alarm (so that the caller logs its step first); `check` raises."""
     seen = []
     detector = LeakDetector(fail_on_leak=True, on_leak=seen.append)
+    for step in range(1, ALARM_STEP + 1):
+        detector.check()  # nothing before the alarm
+        detector.update(step, step * 2 * MiB)
     with pytest.raises(MemoryLeakError) as info:
-        feed(detector, [step * 2 * MiB for step in range(40)])
+        detector.check()
     message = str(info.value)
     assert "\n" not in message and "grows 2 MiB/step" in message and "memory.fail_on_leak = false" in message
     assert [v.step for v in seen] == [ALARM_STEP]
@@ -175,6 +183,7 @@ def train_watched(trainer: Trainer) -> tuple[LeakDetector, list, MemorySnapshots
             mem = trainer.memory.step_end()
             snapshots.step_end(step)
             verdicts.append(detector.update(step, mem.allocated_bytes, mem.breakdown))
+            detector.check()
             if trainer.val_loader is not None and step % cfg.validation.freq == 0:
                 trainer.validate()
     return detector, verdicts, snapshots
@@ -196,6 +205,34 @@ def test_leak_a_tensor_kept_in_a_list_every_step_stops_the_run(small_model_confi
     assert steps_run[-1] == ALARM_STEP
     table = json.loads((tmp_path / "memory_snapshots" / f"rank0_step{ALARM_STEP:06d}_leak.json").read_text())
     assert table["last_step"]["allocated_bytes"] == table["current"]["Total"]
+
+
+def test_a_run_stopped_by_the_leak_detector_logs_its_alarm_step_first(small_model_config, tmp_path, monkeypatch):
+    """With fail_on_leak the run stops at the alarm, and tensorboard already holds that step (its allocation, its
+    slope and the alarm marker): `trainer.plot_memory` reports the leak like the console (before, the alarm's step
+    never reached tensorboard and the plot said "no leak")."""
+    from trainer.plot_memory import find_run, load_runs
+
+    kept = []
+    train_step = Trainer.train_step
+
+    def leaky_train_step(self, step):
+        kept.append(torch.empty(256 * KiB // 4))  # 256 KiB per step, well above the threshold
+        return train_step(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", leaky_train_step)
+    trainer = make_trainer(small_model_config, tmp_path, "--memory.fail_on_leak", "true",
+                           "--metrics.enable_tensorboard", "true", "--memory.leak_threshold_MiB_per_step", "0.1")
+    with pytest.raises(MemoryLeakError):
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    [run] = load_runs(find_run(str(tmp_path)))
+    assert run.run_alarm_step == ALARM_STEP
+    assert run.series["memory/allocated_GiB"][0][-1] == ALARM_STEP
+    assert run.alarm is not None and run.alarm.step == ALARM_STEP  # the replay agrees
+    assert "memory leak" in run.summary()
 
 
 def test_leak_autograd_graph_kept_by_a_long_lived_buffer(small_model_config, tmp_path, caplog):

@@ -62,6 +62,10 @@ class CheckpointSection:
     """Checkpoint to initialise the model from when folder holds no checkpoint yet."""
     initial_load_in_hf: bool = False
     """initial_load_path is a Hugging Face safetensors checkpoint rather than a native one."""
+    allow_partial_load: bool = False
+    """Load a checkpoint whose weights differ from the model's: weights the model does not have are skipped, and
+    (initial_load_path only) weights the checkpoint lacks keep their initialisation; a warning names both. Off,
+    either is an error before launch."""
 
     def check(self) -> list[ConfigError]:
         """Settings of this section that contradict each other."""
@@ -96,6 +100,20 @@ class ModelState(Stateful):
     def load_state_dict(self, state_dict):
         for part in self.parts:
             set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+
+
+class _OnlySaved(Stateful):
+    """A partial load's view of the model state: only the weights the checkpoint holds are asked for (DCP refuses
+    to load a key it lacks); the others keep their initialisation."""
+
+    def __init__(self, model: ModelState, saved: set[str]):
+        self.model, self.saved = model, saved
+
+    def state_dict(self):
+        return {k: v for k, v in self.model.state_dict().items() if k in self.saved}
+
+    def load_state_dict(self, state_dict):
+        self.model.load_state_dict(state_dict)
 
 
 class OptimizerState(Stateful):
@@ -213,7 +231,10 @@ class CheckpointManager:
                             self.train_state.step + 1, self.lr_schedulers[0].get_last_lr()[0])
             return self.train_state.step
         if self.cfg.initial_load_path and not self.cfg.initial_load_in_hf:
-            self._load({"model": self.model}, self.cfg.initial_load_path)
+            model = self.model
+            if self.cfg.allow_partial_load:
+                model = _OnlySaved(self.model, saved_weights(self.cfg.initial_load_path))
+            self._load({"model": model}, self.cfg.initial_load_path)
             logger.info("initial weights loaded from %s", self.cfg.initial_load_path)
         return 0
 
@@ -272,8 +293,66 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.folder, f"step-{step}"), ignore_errors=True)
 
 
-def check_checkpoint(path: str, expected_shapes: dict[str, tuple[int, ...]], model_only: bool = False) -> None:
-    """Raise CheckpointError unless `path` is a complete DCP checkpoint of a model with `expected_shapes`.
+def key_groups(keys: list[str], limit: int = 4) -> str:
+    """Keys summarised by module, cut after their first numeric component: `layers.4.*, layers.5.* (36 weights)`."""
+    groups: dict[str, None] = {}
+    for key in keys:
+        parts = key.split(".")
+        cut = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        groups[key if cut is None or cut == len(parts) - 1 else ".".join(parts[:cut + 1]) + ".*"] = None
+    names = list(groups)
+    shown = ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+    return f"{shown} ({len(keys)} weight{'s' if len(keys) != 1 else ''})"
+
+
+@dataclass
+class WeightMismatch:
+    """The weights a checkpoint and a model do not share (names as the checkpoint spells them).
+
+    missing: the model expects them, the checkpoint lacks them; `missing_ours` has them under the model's
+        state_dict keys (for the hint of `optional_weights`). extra: the checkpoint holds them, the model has no
+        place for them.
+    """
+
+    path: str
+    missing: list[str]
+    missing_ours: list[str]
+    extra: list[str]
+
+    def problem(self, optional_weights: dict[str, str], allow_partial: bool, resume: bool) -> str | None:
+        """The one-line reason the checkpoint cannot be loaded, or None."""
+        if self.missing and (resume or not allow_partial):
+            line = f"checkpoint {self.path} lacks {key_groups(self.missing)} that the model expects"
+            switches = {switch for prefix, switch in optional_weights.items()
+                        if all(k.startswith(prefix) for k in self.missing_ours)}
+            if switches:
+                line += f"; train without them: {' '.join(sorted(switches))}"
+            elif resume:
+                line += ("; a resume needs every weight: start a new run from it with checkpoint.initial_load_path "
+                         "and checkpoint.allow_partial_load = true")
+            else:
+                line += "; checkpoint.allow_partial_load = true keeps their initialisation"
+            return line
+        if self.extra and not allow_partial:
+            return (f"checkpoint {self.path} holds {key_groups(self.extra)} that the model does not have (a deeper "
+                    "model, another flavor, or a part this run leaves out?); checkpoint.allow_partial_load = true "
+                    "loads the rest")
+        return None
+
+    def note(self) -> str | None:
+        """The warning of a partial load: what is skipped and what keeps its initialisation; None if nothing."""
+        parts = []
+        if self.extra:
+            parts.append(f"skipped {key_groups(self.extra)} the model does not have")
+        if self.missing:
+            parts.append(f"{key_groups(self.missing)} the checkpoint lacks keep their initialisation")
+        return f"partial load of {self.path}: " + "; ".join(parts) if parts else None
+
+
+def check_checkpoint(path: str, expected_shapes: dict[str, tuple[int, ...]],
+                     model_only: bool = False) -> WeightMismatch:
+    """Raise CheckpointError unless `path` is a complete, readable DCP checkpoint whose weights that the model also
+    has match `expected_shapes`; return the weights the two do not share (the caller decides).
 
     Reads only metadata and file sizes, so the trainer can run it before any process group exists: a corrupt or
     truncated checkpoint, or one from another flavor, is reported as one line before anything starts.
@@ -285,11 +364,10 @@ def check_checkpoint(path: str, expected_shapes: dict[str, tuple[int, ...]], mod
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} is unreadable or incomplete ({type(e).__name__})") from None
     saved = metadata.state_dict_metadata
+    weights = {key[len("model."):]: entry for key, entry in saved.items() if key.startswith("model.")}
     for fqn, shape in expected_shapes.items():
-        entry = saved.get(f"model.{fqn}")
-        if entry is None:
-            raise CheckpointError(f"checkpoint {path} has no weight {fqn}: saved from another model or flavor?")
-        if tuple(getattr(entry, "size", ())) != tuple(shape):
+        entry = weights.get(fqn)
+        if entry is not None and tuple(getattr(entry, "size", ())) != tuple(shape):
             raise CheckpointError(f"checkpoint {path}: {fqn} has shape {tuple(entry.size)}, the model needs "
                                   f"{tuple(shape)}: saved from another flavor?")
     if not model_only and not any(key.startswith("optimizer.") for key in saved):
@@ -298,6 +376,14 @@ def check_checkpoint(path: str, expected_shapes: dict[str, tuple[int, ...]], mod
         file = os.path.join(path, item.relative_path)
         if not os.path.isfile(file) or os.path.getsize(file) < item.offset + item.length:
             raise CheckpointError(f"checkpoint {path} is truncated: {item.relative_path} is missing or too short")
+    missing = [fqn for fqn in expected_shapes if fqn not in weights]
+    return WeightMismatch(path, missing, missing, [fqn for fqn in weights if fqn not in expected_shapes])
+
+
+def saved_weights(path: str) -> set[str]:
+    """The model state_dict keys a DCP checkpoint holds (from its metadata)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {key[len("model."):] for key in saved if key.startswith("model.")}
 
 
 def _incomplete_checkpoints(folder: str) -> list[tuple[int, str, str]]:

@@ -16,10 +16,11 @@ loader state is global: a checkpoint resumes on any number of ranks.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -97,6 +98,10 @@ class DatasetError(ValueError):
         self.key = key
         self.problem = problem
         self.allowed = allowed
+        self.where: str | None = None
+        """Set by the trainer for an error found while training: the step, the rank and the loader."""
+        self.config_key: str | None = None
+        """Set by the trainer: the config key behind ``key`` (``dataset.*`` or ``validation.*``)."""
 
 
 class DocumentSource(Protocol):
@@ -128,11 +133,14 @@ class HFDocuments:
     tokenization for streaming ones.
     """
 
-    def __init__(self, dataset: Any, text_field: str, description: str, key: str = "name") -> None:
+    def __init__(self, dataset: Any, text_field: str, description: str, key: str = "name",
+                 locate: Callable[[], str | None] | None = None) -> None:
         self.dataset = dataset
         self.text_field = text_field
         self.description = description
         self.key = key  # the dataset setting a document that cannot be parsed is reported on
+        # finds the row a parse error is in (the library names its row within a block, not the document)
+        self.locate = locate
 
     def iter_texts(self, start: int) -> Iterator[str]:
         """Texts from index ``start`` on; raises ``DatasetError`` on a missing or non-string field, or a document
@@ -145,15 +153,23 @@ class HFDocuments:
             except StopIteration:
                 return
             except ValueError as e:  # pyarrow's parse errors (ArrowInvalid) are ValueErrors
+                where = self.locate() if self.locate is not None else None
+                if where is not None:
+                    raise DatasetError(self.key, f"{self.description}: {where}") from None
                 raise DatasetError(self.key, f"{self.description}: document {index} cannot be read: {e}") from None
             text = example.get(self.text_field)
             if not isinstance(text, str):
+                # json files share one schema: a field another document has is None here, not absent
+                present = [k for k, v in example.items() if v is not None]
                 fields = ", ".join(k for k, v in example.items() if isinstance(v, str)) or "none"
+                # the first document decides the field; a later one without it is a fault of that document
+                allowed = (f"a string field the documents have: {fields}" if index == 0 else
+                           f"documents that all have a string {self.text_field!r}: fix or remove document {index}")
                 raise DatasetError(
                     "text_field",
                     f"{self.description}: document {index} has no string field {self.text_field!r} "
-                    f"(fields: {', '.join(example)})",
-                    f"a string field the documents have: {fields}",
+                    f"(its fields: {', '.join(present) or 'none'})",
+                    allowed,
                 )
             yield text
             index += 1
@@ -333,16 +349,47 @@ def _import_datasets(allow_download: bool) -> Any:
         os.environ["HF_DATASETS_OFFLINE"] = "1"
     import datasets  # imported here: it takes about a second and the default corpus does not need it
 
+    # Its JSON reader logs an error line for a file it cannot parse before raising; the trainer reports that error
+    # itself in one line naming the file, line and document (`_first_bad_json_line`).
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     return datasets
 
 
-def _load_hf(datasets: Any, split: str, key: str, what: str, **kwargs: Any) -> Any:
-    """``datasets.load_dataset(**kwargs)``; a split it lacks becomes a ``DatasetError`` on ``split``."""
+def _first_bad_json_line(files: list[str]) -> str | None:
+    """Where the first line of JSON Lines `files` that is not valid JSON is: `file line L (document D): why`, with D
+    counted as the loader counts documents (non-blank lines, files in order); None if every line parses. A `.json`
+    file that parses as a whole (one JSON value, not JSON Lines) is skipped."""
+    document = 0
+    for file in files:
+        with open(file, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if file.endswith(".json"):
+            try:
+                json.loads(text)
+                continue
+            except json.JSONDecodeError:
+                pass
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"{file} line {number} (document {document}) is not valid JSON: {e.msg} (column {e.colno})"
+            document += 1
+    return None
+
+
+def _load_hf(datasets: Any, split: str, key: str, what: str, locate: Callable[[], str | None] | None = None,
+             **kwargs: Any) -> Any:
+    """``datasets.load_dataset(**kwargs)``; a split it lacks becomes a ``DatasetError`` on ``split``, a file it
+    cannot parse one on ``key`` naming the file and row (`locate`, where given, finds the row)."""
     try:
         return datasets.load_dataset(split=split, **kwargs)
     except datasets.exceptions.DatasetGenerationError as e:
-        # Its own message only says that generation failed; the cause names the file and the row.
-        raise DatasetError(key, f"{what} cannot be read: {e.__cause__ or e}") from None
+        # Its own message only says that generation failed; the cause names the file and a row within a block.
+        where = locate() if locate is not None else None
+        raise DatasetError(key, f"{what}: {where}" if where else f"{what} cannot be read: {e.__cause__ or e}") from None
     except ValueError as e:
         if "split" not in str(e).lower():
             raise DatasetError(key, f"{what} cannot be read: {e}") from None
@@ -399,9 +446,10 @@ def load_documents(dataset_cfg: Any, split: str) -> DocumentSource:
         builder, files = _local_data_files(resolved)
         datasets = _import_datasets(allow_download)
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-        dataset = _load_hf(datasets, split, "path", repr(str(path)), path=builder, data_files=files,
+        locate = functools.partial(_first_bad_json_line, files) if builder == "json" else None
+        dataset = _load_hf(datasets, split, "path", repr(str(path)), locate, path=builder, data_files=files,
                            streaming=streaming, **kwargs)
-        return HFDocuments(dataset, text_field, f"{path} [{split}]", key="path")
+        return HFDocuments(dataset, text_field, f"{path} [{split}]", key="path", locate=locate)
 
     name = dataset_cfg.name
     if name == "pydoc":

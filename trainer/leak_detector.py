@@ -20,7 +20,9 @@ Typical use in the loop::
     detector = LeakDetector.from_config(cfg.memory, on_leak=snapshots.on_leak)
     ...
     verdict = detector.update(step, stats.allocated_bytes, stats.breakdown)
-    scalars.update(LeakDetector.to_scalars(verdict))
+    scalars.update(detector.scalars(verdict))
+    ...  # log the step's scalars (the alarm's step reaches tensorboard), then
+    detector.check()  # raises MemoryLeakError after the alarm when fail_on_leak is set
 """
 
 from __future__ import annotations
@@ -31,17 +33,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from statistics import median
 
-__all__ = ["LeakDetector", "LeakVerdict", "MemoryLeakError", "theil_sen_slope"]
+__all__ = ["ALARM_TAG", "SLOPE_TAG", "LeakDetector", "LeakVerdict", "MemoryLeakError", "theil_sen_slope"]
 
 logger = logging.getLogger(__name__)
 
 _MiB = float(1 << 20)
 SLOPE_TAG = "memory/leak_slope_MiB_per_step"
 """Tensorboard tag of the slope, logged every step once the window is full."""
+ALARM_TAG = "memory/leak_alarm"
+"""Tensorboard tag logged once, with the value 1, at the step the detector raised its alarm."""
 
 
 class MemoryLeakError(RuntimeError):
-    """Raised by ``LeakDetector.update`` on a leak when ``fail_on_leak`` is set; the message is one line."""
+    """Raised by ``LeakDetector.check`` after the alarm when ``fail_on_leak`` is set; the message is one line."""
 
 
 def theil_sen_slope(xs: list[float], ys: list[float]) -> float:
@@ -98,7 +102,8 @@ class LeakDetector:
         window: steps the slope is fitted over (at least 3); the slope is reported from the step the window is
             first full, and the alarm needs it above the threshold for ``window // 2`` consecutive steps.
         threshold_bytes_per_step: slopes above this count as a leak.
-        fail_on_leak: raise ``MemoryLeakError`` at the alarm instead of only logging a warning.
+        fail_on_leak: ``check`` raises ``MemoryLeakError`` once the alarm went off, instead of only a warning
+            being logged; ``update`` never raises, so that the caller can first log the alarm's step.
         on_leak: called once with the alarm's verdict before the warning or the error (e.g. to dump a memory
             snapshot); its own errors are logged, not raised, so that they cannot hide the leak report.
         enabled: ``False`` makes ``update`` a no-op returning None (no tracking, so nothing to watch).
@@ -141,7 +146,8 @@ class LeakDetector:
         """Record the memory allocated at the end of ``step``; returns the verdict once the window is full.
 
         ``breakdown`` (category -> bytes, e.g. ``MemoryStats.breakdown``) is optional and only names the
-        category that grew in the leak message. Raises ``MemoryLeakError`` at the alarm with ``fail_on_leak``.
+        category that grew in the leak message. At the alarm it calls ``on_leak`` and logs the warning (not with
+        ``fail_on_leak``: ``check`` then raises the error instead).
         """
         if not self.enabled:
             return None
@@ -170,13 +176,20 @@ class LeakDetector:
                 self.on_leak(verdict)
             except Exception:
                 logger.exception("the leak callback failed")
-        message = verdict.message()
-        if self.fail_on_leak:
-            raise MemoryLeakError(message + "; set memory.fail_on_leak = false to only warn")
-        if self.warn:
-            logger.warning("%s; see docs/memory.md", message)
+        if self.warn and not self.fail_on_leak:
+            logger.warning("%s; see docs/memory.md", verdict.message())
 
-    @staticmethod
-    def to_scalars(verdict: LeakVerdict | None) -> dict[str, float]:
-        """``{"memory/leak_slope_MiB_per_step": slope}`` once the window is full, else an empty dict."""
-        return {} if verdict is None else {SLOPE_TAG: verdict.slope_MiB_per_step}
+    def check(self) -> None:
+        """Raise ``MemoryLeakError`` (one line) if the alarm went off and ``fail_on_leak`` is set."""
+        if self.fail_on_leak and self.alarm is not None:
+            raise MemoryLeakError(f"{self.alarm.message()}; set memory.fail_on_leak = false to only warn")
+
+    def scalars(self, verdict: LeakVerdict | None) -> dict[str, float]:
+        """The tensorboard scalars of ``verdict``: the slope once the window is full, and ``ALARM_TAG`` at the
+        alarm's step; empty before."""
+        if verdict is None:
+            return {}
+        scalars = {SLOPE_TAG: verdict.slope_MiB_per_step}
+        if verdict is self.alarm:
+            scalars[ALARM_TAG] = 1.0
+        return scalars

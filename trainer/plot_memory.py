@@ -25,7 +25,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from trainer.leak_detector import SLOPE_TAG, LeakDetector, LeakVerdict
+from trainer.leak_detector import ALARM_TAG, SLOPE_TAG, LeakDetector, LeakVerdict
 from trainer.metrics import read_scalars, run_dirs
 
 __all__ = ["RankSeries", "find_run", "load_runs", "main", "render"]
@@ -39,17 +39,25 @@ _MiB_PER_GiB = 1024.0
 
 @dataclass
 class RankSeries:
-    """The memory scalars of one rank as ``{tag: (steps, values)}``, and the detector's reading of them."""
+    """The memory scalars of one rank as ``{tag: (steps, values)}``, the detector's reading of them, and the step
+    at which the run's own detector (with the run's ``memory.leak_*`` settings) raised its alarm, if it did."""
 
     rank: int
     series: dict[str, tuple[list[int], list[float]]]
     verdicts: list[LeakVerdict]
     alarm: LeakVerdict | None
+    run_alarm_step: int | None = None
 
     def summary(self) -> str:
-        """One line: the leak alarm, or the largest slope seen."""
+        """One line: the leak alarm (this reading's, else the run's own), or the largest slope seen."""
         if self.alarm is not None:
             return f"rank {self.rank}: {self.alarm.message()}"
+        if self.run_alarm_step is not None:
+            steps, slopes = self.series.get(SLOPE_TAG, ([], []))
+            slope = dict(zip(steps, slopes)).get(self.run_alarm_step)
+            rate = f" at {slope:.4g} MiB/step" if slope is not None else ""
+            return (f"rank {self.rank}: memory leak: the run's detector raised its alarm at step "
+                    f"{self.run_alarm_step}{rate} (with the run's memory.leak_* settings)")
         if ALLOCATED not in self.series:
             return f"rank {self.rank}: no tensor memory logged (memory tracking was off), no leak verdict"
         if not self.verdicts:
@@ -106,7 +114,8 @@ def load_runs(run_dir: str, warmup_steps: int = 5, window: int = 10,
         detector = LeakDetector(warmup_steps, window, threshold_MiB_per_step * 2**20, warn=False)
         steps, allocated = series.get(ALLOCATED, ([], []))
         verdicts = [v for step, gib in zip(steps, allocated) if (v := detector.update(step, round(gib * 2**30)))]
-        runs.append(RankSeries(rank, series, verdicts, detector.alarm))
+        alarm_steps = [step for step, _ in scalars.get(ALARM_TAG, [])]
+        runs.append(RankSeries(rank, series, verdicts, detector.alarm, alarm_steps[0] if alarm_steps else None))
     return runs
 
 

@@ -35,6 +35,10 @@ class ModelSection:
     n_dense_layers: int = option(-1, ge=0, special=-1)
     """How many of the first layers use a dense FFN instead of MoE, overriding the flavor's; -1 = keep it. At
     most n_layers."""
+    mtp_layers: int = option(-1, ge=0, special=-1)
+    """Multi-token-prediction layers: -1 = as the flavor (or the HF config's num_nextn_predict_layers) says, 0 =
+    none, N = that depth. A checkpoint saved by transformers declares MTP in config.json but stores no MTP weights:
+    train from it with 0."""
 
 
 @dataclass
@@ -81,6 +85,8 @@ class ModelSpec:
         convert (the names `parallelisms.fp8.fp8_block_modules` finds in the blocks), summed over the blocks: the
         part of `counts`' FLOPs that a recipe may run as FP8 GEMMs (`parallelisms.fp8.fp8_flops_per_token`);
         None: that part is unknown.
+    optional_weights: {state_dict key prefix: the config setting that builds the model without those weights},
+        e.g. {"mtp.": "--model.mtp_layers 0"}: named when a checkpoint lacks such weights.
     """
 
     name: str
@@ -100,6 +106,7 @@ class ModelSpec:
     pipeline_stage: Callable[[nn.Module, list[str]], nn.Module] | None = None
     memory_plan: Callable[..., Any] | None = None
     module_flops: Callable[[Any], dict[str, float]] | None = None
+    optional_weights: Mapping[str, str] = field(default_factory=dict)
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -31,13 +31,14 @@ from parallelisms.mesh import build_meshes
 from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.pipeline import build_pipeline
 from trainer import device as devices
-from trainer.checkpoint import (CheckpointError, CheckpointManager, check_checkpoint, latest_checkpoint,
-                                list_checkpoints)
-from trainer.config import ConfigError, config_to_toml, run_with_config_errors
+from trainer.checkpoint import (CheckpointError, CheckpointManager, WeightMismatch, check_checkpoint,
+                                latest_checkpoint, list_checkpoints)
+from trainer.config import ConfigError, config_to_toml
 from trainer.job_config import JobConfig, load_config, validate_job
 from trainer.data import DatasetError, build_dataloader, has_documents
 from trainer.loss import ScaledLoss, count_valid_tokens
 from trainer.lr_schedule import build_lr_scheduler
+from trainer.launch import write_error_line
 from trainer.leak_detector import LeakDetector, MemoryLeakError
 from trainer.memory import MemoryMonitor, MemorySnapshots, MemoryStats
 from trainer.metrics import MetricLogger, init_logging, new_run_dir
@@ -101,6 +102,7 @@ class Prepared:
     tokenizer: object
     train_loader: object
     val_loader: object | None
+    checkpoint_note: str | None = None  # what a partial checkpoint load skips, logged once by rank 0
 
 
 def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
@@ -130,27 +132,34 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
     hold_out = cfg.validation.hold_out_every if cfg.validation.enable and _holds_out(cfg) else 0
     train_loader = _build_loader(cfg, loader_args, hold_out, validation=False)
     val_loader = _build_loader(cfg, loader_args, hold_out, validation=True) if cfg.validation.enable else None
-    _check_checkpoints(cfg, spec, model_args)
-    return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader)
+    note = _check_checkpoints(cfg, spec, model_args)
+    return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader, note)
 
 
-def _check_checkpoints(cfg: JobConfig, spec, model_args) -> None:
-    """Fail before launch on a checkpoint that cannot be resumed or loaded (metadata and file sizes only)."""
+def _check_checkpoints(cfg: JobConfig, spec, model_args) -> str | None:
+    """Fail before launch on a checkpoint that cannot be resumed or loaded (metadata, file sizes and weight names
+    only): unreadable, truncated, another shape, or weights the model and the checkpoint do not share (unless
+    `checkpoint.allow_partial_load`). Returns the note of an allowed partial load."""
     ckpt = cfg.checkpoint
     try:
         resume = latest_checkpoint(ckpt, cfg.job.dump_folder)
         if resume is None and not ckpt.initial_load_path:
-            return
+            return None
         with torch.device("meta"):
             shapes = {k: tuple(v.shape) for k, v in spec.model_cls(model_args).state_dict().items()}
         if resume is not None:
-            check_checkpoint(resume, shapes)
+            mismatch = check_checkpoint(resume, shapes)
         elif ckpt.initial_load_in_hf:
-            spec.state_dict_adapter.checkpoint_files(ckpt.initial_load_path)
+            missing, extra = spec.state_dict_adapter.compare_checkpoint(ckpt.initial_load_path, model_args)
+            mismatch = WeightMismatch(ckpt.initial_load_path, list(missing), list(missing.values()), extra)
         else:
-            check_checkpoint(ckpt.initial_load_path, shapes, model_only=True)
+            mismatch = check_checkpoint(ckpt.initial_load_path, shapes, model_only=True)
     except (CheckpointError, ValueError) as e:
         raise ConfigError("checkpoint", str(e))
+    problem = mismatch.problem(spec.optional_weights, ckpt.allow_partial_load, resume=resume is not None)
+    if problem is not None:
+        raise ConfigError("checkpoint", problem)
+    return mismatch.note()
 
 
 def _holds_out(cfg: JobConfig) -> bool:
@@ -201,6 +210,17 @@ def _build_loader(cfg: JobConfig, loader_args: dict, hold_out: int, validation: 
         raise ConfigError("validation.hold_out_every", f"{problem} (the files hold fewer than {hold_out})",
                           "at most the number of documents, a validation.dataset, or validation.enable = false")
     raise ConfigError(_data_key(cfg, "path" if ds.path else "name", validation), problem)
+
+
+@contextlib.contextmanager
+def _data_errors_at(cfg: JobConfig, step: int, rank: int, validation: bool):
+    """Mark a DatasetError raised inside with the step, the rank and the config key at fault, for its one line."""
+    try:
+        yield
+    except DatasetError as e:
+        e.where = f"step {step}, rank {rank}{', validation' if validation else ''}"
+        e.config_key = _data_key(cfg, e.key, validation)
+        raise
 
 
 class Trainer:
@@ -268,8 +288,9 @@ class Trainer:
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizers,
                                             self.lr_schedulers, self.train_loader)
         self.start_step = self.checkpoint.load()
-        logger.info("model %s/%s: %.2fM params (%.2fM active per token), %.1f MFLOP/token, device %s, world %d",
-                    cfg.model.name, cfg.model.flavor, self.total_params / 1e6, self.active_params / 1e6,
+        source = f"HF config {cfg.model.hf_config_path}" if cfg.model.hf_config_path else cfg.model.flavor
+        logger.info("model %s (%s): %.2fM params (%.2fM active per token), %.1f MFLOP/token, device %s, world %d",
+                    cfg.model.name, source, self.total_params / 1e6, self.active_params / 1e6,
                     self.flops_per_token / 1e6, device, self.dims.world_size)
         if self.start_step < cfg.training.steps:
             self._announce_compile()
@@ -300,7 +321,8 @@ class Trainer:
 
     def _load_hf_weights(self, path: str) -> None:
         """Initial weights from a HF checkpoint directory, read in full on every rank, then sharded."""
-        full = self.spec.state_dict_adapter.read_hf_state_dict(path, self.model_args, torch.float32)
+        full = self.spec.state_dict_adapter.read_hf_state_dict(path, self.model_args, torch.float32,
+                                                               partial=self.cfg.checkpoint.allow_partial_load)
         for part in self.model_parts:
             set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
         logger.info("initial weights loaded from HF checkpoint %s", path)
@@ -411,7 +433,8 @@ class Trainer:
         with self.memory, self.snapshots:
             for step in range(self.start_step + 1, cfg.training.steps + 1):
                 t0 = time.perf_counter()
-                scalars = self.train_step(step)
+                with _data_errors_at(cfg, step, self.rank, validation=False):
+                    scalars = self.train_step(step)
                 elapsed = time.perf_counter() - t0
                 mem = self.memory.step_end()
                 self.snapshots.step_end(step)
@@ -423,9 +446,10 @@ class Trainer:
                 scalars.update(MemoryMonitor.to_scalars(mem))
                 if mem.allocated_bytes is not None:  # the detector must never see unmeasured memory
                     verdict = self.leak_detector.update(step, mem.allocated_bytes, mem.breakdown)
-                    scalars.update(LeakDetector.to_scalars(verdict))
+                    scalars.update(self.leak_detector.scalars(verdict))
                 if self.val_loader is not None and step % cfg.validation.freq == 0:
-                    scalars["validation/loss"] = self.validate()
+                    with _data_errors_at(cfg, step, self.rank, validation=True):
+                        scalars["validation/loss"] = self.validate()
                     summary.validation = (step, scalars["validation/loss"])
                     logger.info("step %d validation loss %.4f", step, scalars["validation/loss"])
                 if self.dims.ep_enabled:
@@ -439,6 +463,8 @@ class Trainer:
                     self.metrics.console(step, scalars["loss"], scalars["grad_norm"], tokens_per_s,
                                          _gib(mem.allocated_bytes), _gib(mem.peak_bytes), scalars["lr"],
                                          rss_GiB=_gib(mem.rss_bytes))
+                # after the step is logged: the alarm's step and slope are in tensorboard when the run stops
+                self.leak_detector.check()
                 self.checkpoint.maybe_save(step, last=step == cfg.training.steps)
         self.checkpoint.finish()  # the summary names the last checkpoint: an async save must be published first
         self._log_summary(summary)
@@ -498,6 +524,8 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
     init_logging(devices.rank())
     if devices.rank() == 0:
         _warn_settings_without_effect(prep, device)
+        if prep.checkpoint_note is not None:
+            logger.warning(prep.checkpoint_note)
     trainer = None
     try:
         trainer = Trainer(prep, device)
@@ -521,25 +549,41 @@ def _main(argv: list[str]) -> None:
     run(cfg)
 
 
+def _data_error_line(error: DatasetError) -> str:
+    """One line for a dataset error found after launch: where (step, rank, training or validation), the config key
+    and the document at fault (`_data_errors_at` marks the first two)."""
+    where = f" at {error.where}" if error.where else ""
+    key = error.config_key or f"dataset.{error.key}"
+    allowed = f"; allowed: {error.allowed}" if error.allowed else ""
+    return " ".join(f"data error{where}: {key}: {error.problem}{allowed}".split())
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point: config errors exit 2 with one line; Ctrl-C exits 130 after a clean shutdown.
+    """Command-line entry point. Every error it knows ends the same way as a preflight error: its one line on
+    stderr (also left for `trainer.launch` in torchrun's error file), no traceback, and the exit code of
+    docs/errors.md: 2 bad input (config, checkpoint, data), 1 a training error, 130 interrupted.
 
     The process ends through `devices.end_process` (a process group may outlive its shutdown, see there).
     """
-    code = 0
+    argv = sys.argv[1:] if argv is None else argv
+    code, line = 0, None
     try:
-        run_with_config_errors(_main, sys.argv[1:] if argv is None else argv)
+        _main(argv)
     except SystemExit as e:
         code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        code = 130
+        line, code = "interrupted", 130
+    except ConfigError as e:
+        line, code = str(e), 2
     except CheckpointError as e:
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        code = 2
+        line, code = f"checkpoint error: {e}", 2
+    except DatasetError as e:
+        line, code = _data_error_line(e), 2
     except (TrainingError, MemoryLeakError) as e:
-        print(f"training error: {e}", file=sys.stderr)
-        code = 1
+        line, code = f"training error: {e}", 1
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+        write_error_line(line)
     devices.end_process(code)
 
 

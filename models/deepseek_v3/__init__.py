@@ -25,7 +25,10 @@ def build_args(job_config) -> ModelArgs:
     applied, adapted to the job's MoE switches."""
     model_cfg = job_config.model
     if model_cfg.hf_config_path:
-        args = hf.args_from_hf_config_file(model_cfg.hf_config_path)
+        try:
+            args = hf.args_from_hf_config_file(model_cfg.hf_config_path)
+        except (OSError, ValueError) as e:
+            raise ConfigError("model.hf_config_path", str(e)) from None
     elif model_cfg.flavor in FLAVORS:
         args = FLAVORS[model_cfg.flavor]
     else:
@@ -44,13 +47,16 @@ def build_args(job_config) -> ModelArgs:
     if job_config.parallelism.pipeline_parallel_degree > 1 and args.num_mtp_layers > 0:
         raise ConfigError("parallelism.pipeline_parallel_degree",
                           f"multi-token prediction ({args.num_mtp_layers} MTP layers) needs the embedding and "
-                          "the head on one stage", "1 when the model has MTP layers")
+                          "the head on one stage", "1 when the model has MTP layers, or model.mtp_layers = 0")
     _check_fp8(job_config, args)
     return args
 
 
 def _override_layers(args: ModelArgs, model_cfg) -> ModelArgs:
-    """`model.n_layers` / `model.n_dense_layers` applied to the flavor's args (0 / -1 keep the flavor's)."""
+    """`model.n_layers` / `model.n_dense_layers` / `model.mtp_layers` applied to the flavor's args (0 / -1 / -1
+    keep the flavor's)."""
+    if model_cfg.mtp_layers != -1:
+        args = args.replace(num_mtp_layers=model_cfg.mtp_layers)
     n_layers = model_cfg.n_layers or args.n_layers
     if model_cfg.n_dense_layers != -1:
         if model_cfg.n_dense_layers > n_layers:
@@ -151,6 +157,7 @@ register_model_spec(ModelSpec(
     pipeline_stage=keep_stage,
     memory_plan=stage_memory,
     module_flops=block_flops_per_token,
+    optional_weights={"mtp.": "--model.mtp_layers 0"},
 ))
 
 __all__ = ["DeepSeekV3Model", "ModelArgs", "FLAVORS", "build_args", "load_hf_pretrained"]

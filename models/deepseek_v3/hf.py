@@ -314,18 +314,40 @@ def _implied_zeros(args: ModelArgs, expected: dict[str, torch.Size]) -> list[str
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
 
-def _ignored(hf_key: str, args: ModelArgs) -> bool:
-    """Hub keys an import skips: MTP layers beyond `num_mtp_layers`, MTP copies of shared tensors, RoPE caches,
-    and the empty shared-expert weights HF keeps when n_shared_experts is 0."""
+def _not_a_weight(hf_key: str, args: ModelArgs) -> bool:
+    """Hub keys that hold no weight of their own: RoPE caches, the empty shared-expert weights HF keeps when
+    n_shared_experts is 0, and the MTP layers' copies of the shared embedding and head."""
     if hf_key.endswith("rotary_emb.inv_freq") or (not args.n_shared_experts and ".mlp.shared_experts." in hf_key):
         return True
     match = _LAYER_RE.match(hf_key)
-    if match is None:
-        return False
-    layer, rest = int(match.group(1)), match.group(2)
-    if layer >= args.n_layers + args.num_mtp_layers:
-        return True
-    return layer >= args.n_layers and rest in _MTP_SHARED_COPIES
+    return (match is not None and args.n_layers <= int(match.group(1)) < args.n_layers + args.num_mtp_layers
+            and match.group(2) in _MTP_SHARED_COPIES)
+
+
+def _beyond_the_model(hf_key: str, args: ModelArgs) -> bool:
+    """Layers past the model's layers and MTP layers (a deeper checkpoint, or MTP layers the model leaves out)."""
+    match = _LAYER_RE.match(hf_key)
+    return match is not None and int(match.group(1)) >= args.n_layers + args.num_mtp_layers
+
+
+def _ignored(hf_key: str, args: ModelArgs) -> bool:
+    """Hub keys an import skips: `_not_a_weight`, and layers `_beyond_the_model` (`load_hf_pretrained` imports
+    the causal LM of a checkpoint with MTP layers this way; the trainer refuses such a checkpoint in preflight
+    unless `checkpoint.allow_partial_load`, see `compare_checkpoint`)."""
+    return _not_a_weight(hf_key, args) or _beyond_the_model(hf_key, args)
+
+
+def compare_checkpoint(path: str | Path, args: ModelArgs) -> tuple[dict[str, str], list[str]]:
+    """What a checkpoint directory holds against what a model of `args` needs, from its index or shard headers:
+    ({hub key: our state_dict key} of the weights the checkpoint lacks, [hub keys of weights the model has no
+    place for]). FP8 scales, RoPE caches and the MTP layers' copies of shared tensors are neither.
+    ValueError if the directory or a shard is missing."""
+    _, key_to_file = checkpoint_files(path)
+    key_map = hf_key_map(args)
+    missing = {key: fqn for key, (fqn, _) in key_map.items() if key not in key_to_file}
+    extra = [key for key in key_to_file
+             if key not in key_map and not key.endswith("_scale_inv") and not _not_a_weight(key, args)]
+    return missing, extra
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, torch.Size]:
@@ -381,12 +403,14 @@ class _Sink:
     """Receives hub tensors one at a time and writes each into its place among our tensors.
 
     `targets` maps our FQNs to preallocated tensors (a model's parameters); with `targets=None` each tensor is
-    allocated on first write in `dtype` (or the incoming dtype), the expert_bias always in fp32.
+    allocated on first write in `dtype` (or the incoming dtype), the expert_bias always in fp32. `partial` skips
+    keys the model has no place for and leaves out the tensors the checkpoint lacks (a partial load).
     """
 
     def __init__(self, args: ModelArgs, targets: dict[str, torch.Tensor] | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, partial: bool = False):
         self.args = args
+        self.partial = partial
         self.key_map = hf_key_map(args)
         self.expected = expected_shapes(args)
         self.targets = {} if targets is None else targets
@@ -398,7 +422,7 @@ class _Sink:
         """True for a key to import, False for one to skip; ValueError for a key no checkpoint of args holds."""
         if hf_key in self.key_map:
             return True
-        if _ignored(hf_key, self.args):
+        if _ignored(hf_key, self.args) or self.partial:
             return False
         raise ValueError(f"unexpected key {hf_key} for a checkpoint of these args")
 
@@ -424,9 +448,14 @@ class _Sink:
     @torch.no_grad()
     def finish(self, source: str) -> dict[str, torch.Tensor]:
         missing = [k for k in self.key_map if k not in self.done]
-        if missing:
+        if missing and not self.partial:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ValueError(f"missing key {missing[0]}{more} in {source}")
+        if self.allocate:
+            # a partial load leaves out a tensor the checkpoint fills only in part (some experts of a stack): the
+            # rest of a fresh tensor is uninitialised memory, the model's own initialisation is not
+            for fqn in {self.key_map[k][0] for k in missing}:
+                self.targets.pop(fqn, None)
         for fqn in _implied_zeros(self.args, self.expected):
             if fqn in self.targets:
                 self.targets[fqn].zero_()
@@ -561,10 +590,11 @@ def load_hf_weights(model: DeepSeekV3Model, path: str | Path, progress: bool = F
 
 
 def read_hf_state_dict(path: str | Path, args: ModelArgs, dtype: torch.dtype | None = torch.float32,
-                       progress: bool = False) -> dict[str, torch.Tensor]:
+                       progress: bool = False, partial: bool = False) -> dict[str, torch.Tensor]:
     """Our state dict (FQN -> tensor in `dtype`; None keeps the checkpoint's dtype) streamed from a HF checkpoint
-    directory, without building a model."""
-    return _stream_into(_Sink(args, dtype=dtype), path, progress)
+    directory, without building a model. `partial`: skip weights the model has no place for and leave out those
+    the checkpoint lacks, instead of raising ValueError."""
+    return _stream_into(_Sink(args, dtype=dtype, partial=partial), path, progress)
 
 
 def load_hf_pretrained(path: str | Path, device: str | torch.device = "cpu", num_mtp_layers: int | None = 0,

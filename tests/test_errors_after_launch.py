@@ -1,0 +1,135 @@
+"""What a user sees when a run cannot start or stops: the whole output of `./run_train.sh`, read as a user would.
+
+Every failure ends with its one line as the last line printed, no Python traceback, and the exit code of
+docs/errors.md; torchrun's own failure report is replaced by one line from `trainer.launch`. Checkpoints whose
+weights differ from the model's are refused before launch, unless `checkpoint.allow_partial_load`.
+"""
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOG_RECORD = re.compile(r"^\d\d:\d\d:\d\d (INFO|WARNING) ")
+SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "1", "--memory.track", "off",
+         "--validation.enable", "false", "--metrics.enable_tensorboard", "false"]
+
+
+def run_train(tmp_path, *args, ngpu: int = 1) -> subprocess.CompletedProcess:
+    return subprocess.run(["./run_train.sh", *SMALL, "--job.dump_folder", str(tmp_path / "dump"), *args], cwd=REPO,
+                          env=dict(os.environ, NGPU=str(ngpu)), capture_output=True, text=True, timeout=600)
+
+
+def assert_ends_with_one_line(result, code: int, *contains: str) -> str:
+    """The run ended with `code`, its last line holds every string of `contains`, no traceback anywhere, and besides
+    the trainer's log records no more than 3 lines (one per rank of 2, and the launcher's)."""
+    assert result.returncode == code, result.stdout[-2000:] + result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    for text in contains:
+        assert text in last, last
+    others = [line for line in result.stderr.strip().splitlines() if not LOG_RECORD.match(line)]
+    assert len(others) <= 3, others
+    return last
+
+
+@pytest.fixture(scope="module")
+def transformers_checkpoint(tmp_path_factory):
+    """A tiny DeepseekV3ForCausalLM saved by transformers: its config.json declares one MTP layer
+    (num_nextn_predict_layers = 1), its safetensors hold none (transformers' model has no MTP)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=2048, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        n_group=1, topk_group=1, max_position_embeddings=256, num_nextn_predict_layers=1)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("hf")
+    transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(path)
+    assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    return path
+
+
+@pytest.mark.slow
+def test_transformers_checkpoint_names_the_mtp_switch_then_trains_with_it(tmp_path, transformers_checkpoint):
+    hf = ["--model.hf_config_path", str(transformers_checkpoint / "config.json"),
+          "--checkpoint.initial_load_path", str(transformers_checkpoint), "--checkpoint.initial_load_in_hf", "true",
+          "--training.steps", "1"]
+    refused = run_train(tmp_path, *hf)
+    assert_ends_with_one_line(refused, 2, "lacks model.layers.3.*", "--model.mtp_layers 0")
+    assert not (tmp_path / "dump").exists()
+    trained = run_train(tmp_path, *hf, "--model.mtp_layers", "0")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "initial weights loaded from HF checkpoint" in trained.stderr + trained.stdout
+    assert f"model deepseek_v3 (HF config {transformers_checkpoint / 'config.json'})" in trained.stderr
+
+
+@pytest.mark.slow
+def test_deeper_checkpoint_is_refused_unless_a_partial_load_is_asked_for(tmp_path):
+    """A 6-layer checkpoint into a 4-layer model: refused for an initial load and for a resume, one line naming
+    layers 4 and 5; with checkpoint.allow_partial_load the run starts from it and says what it skipped."""
+    six = tmp_path / "six"
+    saved = subprocess.run(["./run_train.sh", *SMALL, "--job.dump_folder", str(six), "--training.steps", "1",
+                            "--checkpoint.enable", "true"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    step1 = str(six / "checkpoint" / "step-1")
+    initial = run_train(tmp_path, "--model.n_layers", "4", "--training.steps", "1",
+                        "--checkpoint.initial_load_path", step1)
+    assert_ends_with_one_line(initial, 2, "layers.4.*, layers.5.* (30 weights)", "checkpoint.allow_partial_load")
+    resume = subprocess.run(["./run_train.sh", *SMALL, "--job.dump_folder", str(six), "--training.steps", "2",
+                             "--checkpoint.enable", "true", "--model.n_layers", "4"], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert_ends_with_one_line(resume, 2, "layers.4.*, layers.5.*")
+    partial = run_train(tmp_path, "--model.n_layers", "4", "--training.steps", "1",
+                        "--checkpoint.initial_load_path", step1, "--checkpoint.allow_partial_load", "true")
+    assert partial.returncode == 0, partial.stderr[-3000:]
+    assert "partial load of" in partial.stderr and "skipped layers.4.*, layers.5.* (30 weights)" in partial.stderr
+
+
+@pytest.mark.slow
+def test_non_finite_stop_on_two_ranks_ends_with_one_line(tmp_path):
+    result = run_train(tmp_path, "--training.steps", "3", "--training.on_nonfinite", "stop", "--optimizer.lr",
+                       "1e38", ngpu=2)
+    last = assert_ends_with_one_line(result, 1, "run failed on rank", "training error: step 2: non-finite")
+    assert "training.on_nonfinite = stop" in last
+
+
+@pytest.mark.slow
+def test_document_without_the_text_field_names_document_step_and_fields(tmp_path):
+    data = tmp_path / "docs.jsonl"
+    with open(data, "w") as f:
+        for i in range(60):
+            f.write(json.dumps({"text": f"short document {i} with a few words"} if i != 30 else {"body": "x"}) + "\n")
+    result = run_train(tmp_path, "--training.steps", "30", "--dataset.path", str(data), ngpu=2)
+    last = assert_ends_with_one_line(result, 2, "data error at step", "document 30 has no string field 'text'",
+                                     "(its fields: body)", "dataset.text_field")
+    assert "fields: text, body" not in last
+
+
+@pytest.mark.slow
+def test_broken_json_row_names_its_line_and_document_in_one_line(tmp_path):
+    """Found in preflight (the loader reads the file): one line naming the file's line 31 and document 30, and no
+    line of the datasets library before it."""
+    data = tmp_path / "broken.jsonl"
+    rows = [json.dumps({"text": f"document {i}"}) for i in range(60)]
+    rows[30] = '{"text": "broken'
+    data.write_text("\n".join(rows) + "\n")
+    from trainer.data import DatasetError, load_documents
+
+    class Dataset:
+        name, path, text_field = "", str(data), "text"
+
+    with pytest.raises(DatasetError) as info:
+        source = load_documents(Dataset, "train")
+        list(source.iter_texts(0))
+    assert f"{data} line 31 (document 30) is not valid JSON" in info.value.problem
+    result = subprocess.run(["./run_train.sh", *SMALL, "--job.dump_folder", str(tmp_path / "d"), "--dataset.path",
+                             str(data)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert_ends_with_one_line(result, 2, "line 31 (document 30) is not valid JSON")
+    assert result.stderr.count("\n") == 1  # preflight: nothing but the line
