@@ -15,6 +15,7 @@ rank) leaves the previous checkpoint as the latest.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.config import ConfigError, option
 from trainer.lr_schedule import WarmupDecayLR
+from trainer.preemption import parse_signals
 
 
 @dataclass
@@ -67,11 +70,19 @@ class CheckpointSection:
     (initial_load_path only) weights the checkpoint lacks keep their initialisation; a warning names both. Off,
     either is an error before launch."""
 
+    preemption_signals: list[str] = option(["TERM", "USR1"])
+    """Signals that end the run with a checkpoint of its last finished step, saved even when enable is false (see
+    trainer/preemption.py); empty: none (the signals keep their default action)."""
+
     def check(self) -> list[ConfigError]:
-        """Settings of this section that contradict each other."""
+        """Settings of this section that contradict each other, and unknown signal names."""
         if self.initial_load_in_hf and not self.initial_load_path:
             return [ConfigError("initial_load_in_hf", "true but checkpoint.initial_load_path is empty",
                                 "a path to load from")]
+        try:
+            parse_signals(self.preemption_signals)
+        except ValueError as e:
+            return [ConfigError("preemption_signals", str(e), "signal names such as TERM, USR1, USR2, or empty")]
         return []
 
 
@@ -83,6 +94,15 @@ _STEP_OR_TMP_DIR = re.compile(r"^step-(\d+)(\.tmp)?$")  # a published checkpoint
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (missing, corrupt, from another model); one-line message."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that failed on some rank (a full disk, a lost mount); its partial folder is removed, the previous
+    checkpoint stays the latest. One-line message naming the path and the error."""
+
+
+PREEMPTED_MARKER = "PREEMPTED"
+"""File in a checkpoint saved on a preemption signal: a run with checkpoint.enable = false resumes from those."""
 
 
 class ModelState(Stateful):
@@ -207,6 +227,8 @@ class CheckpointManager:
             "train_state": self.train_state,
         }
         self._pending = None  # (future, tmp_dir, final_dir) of an async save
+        self.last_published: str | None = None
+        """The checkpoint this run saved last (for the run's summary)."""
 
     @property
     def rank(self) -> int:
@@ -250,11 +272,19 @@ class CheckpointManager:
         """Save at every `interval` steps and at the last step (model only if `last_save_model_only`)."""
         if not self.cfg.enable or not (last or step % self.cfg.interval == 0):
             return
-        self.train_state.step = step
         states = self.states
         if last and self.cfg.last_save_model_only:
             dtype = torch.bfloat16 if self.cfg.export_dtype == "bfloat16" else torch.float32
             states = {"model": {k: v.to(dtype) for k, v in self.model.state_dict().items()}}
+        self._save(step, states, background=self.cfg.async_mode == "async" and not last)
+
+    def save_now(self, step: int, marker: dict | None = None) -> str:
+        """A synchronous save of the full state at `step` into the checkpoint folder, whether `enable` is on or not
+        (a preemption); `marker` is written beside the shards as PREEMPTED. Returns the published folder."""
+        return self._save(step, self.states, background=False, marker=marker)
+
+    def _save(self, step: int, states: dict, background: bool, marker: dict | None = None) -> str:
+        self.train_state.step = step
         self.finish()
         final = os.path.join(self.folder, f"step-{step}")
         tmp = final + ".tmp"
@@ -262,11 +292,18 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(self.folder, exist_ok=True)
         self._barrier()
-        if self.cfg.async_mode == "async" and not last:
-            self._pending = (dcp.async_save(states, checkpoint_id=tmp), tmp, final)
-        else:
+        try:
+            if background:
+                self._pending = (dcp.async_save(states, checkpoint_id=tmp), tmp, final)
+                return final
             dcp.save(states, checkpoint_id=tmp)
-            self._publish(tmp, final)
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            self._abandon(tmp, e)
+        if marker is not None and self.rank == 0:
+            with open(os.path.join(tmp, PREEMPTED_MARKER), "w") as f:
+                json.dump(marker, f)
+        self._publish(tmp, final)
+        return final
 
     def finish(self) -> None:
         """Wait for a pending async save and publish it (called before the next save and at the end)."""
@@ -274,8 +311,19 @@ class CheckpointManager:
             return
         future, tmp, final = self._pending
         self._pending = None
-        future.result()
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:
+            self._abandon(tmp, e)
         self._publish(tmp, final)
+
+    def _abandon(self, tmp: str, error: Exception) -> None:
+        """A save failed (on this rank or, as DCP reports to every rank, on another): remove its partial folder,
+        which resume never picks anyway, and end the run with one line; the previous checkpoint stays the latest."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(f"saving {tmp} failed: {_first_failure(error)}; the previous checkpoint stays the "
+                                  f"latest ({_latest_name(self.folder)})") from None
 
     def _publish(self, tmp: str, final: str) -> None:
         self._barrier()  # every rank's files are written
@@ -284,13 +332,32 @@ class CheckpointManager:
             os.rename(tmp, final)  # atomic: a resume sees the whole checkpoint or none of it
             self._purge()
             logger.info("checkpoint saved: %s", final)
+        self.last_published = final
         self._barrier()
 
     def _purge(self) -> None:
+        """Keep the newest `keep_latest_k` checkpoints; runs only after a new checkpoint was published, so the newest
+        intact one is never removed."""
         k = self.cfg.keep_latest_k
         if k > 0:
             for step in list_checkpoints(self.folder)[:-k]:
                 shutil.rmtree(os.path.join(self.folder, f"step-{step}"), ignore_errors=True)
+
+
+def _first_failure(error: Exception) -> str:
+    """One line for a save error: DCP's CheckpointException holds every failed rank's exception (multi-line)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        cause = failures[rank]
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        return f"rank {rank}: {type(cause).__name__}: {' '.join(str(cause).split())}"
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _latest_name(folder: str) -> str:
+    steps = list_checkpoints(folder)
+    return f"step-{steps[-1]}" if steps else "none yet"
 
 
 def key_groups(keys: list[str], limit: int = 4) -> str:
@@ -357,13 +424,10 @@ def check_checkpoint(path: str, expected_shapes: dict[str, tuple[int, ...]],
     Reads only metadata and file sizes, so the trainer can run it before any process group exists: a corrupt or
     truncated checkpoint, or one from another flavor, is reported as one line before anything starts.
     """
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} is unreadable or incomplete ({type(e).__name__})") from None
-    saved = metadata.state_dict_metadata
+    damage = checkpoint_damage(path)
+    if damage is not None:
+        raise CheckpointError(damage)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     weights = {key[len("model."):]: entry for key, entry in saved.items() if key.startswith("model.")}
     for fqn, shape in expected_shapes.items():
         entry = weights.get(fqn)
@@ -372,12 +436,24 @@ def check_checkpoint(path: str, expected_shapes: dict[str, tuple[int, ...]],
                                   f"{tuple(shape)}: saved from another flavor?")
     if not model_only and not any(key.startswith("optimizer.") for key in saved):
         raise CheckpointError(f"checkpoint {path} holds no optimizer state (a model-only export cannot be resumed)")
+    missing = [fqn for fqn in expected_shapes if fqn not in weights]
+    return WeightMismatch(path, missing, missing, [fqn for fqn in weights if fqn not in expected_shapes])
+
+
+def checkpoint_damage(path: str) -> str | None:
+    """Why the checkpoint at `path` cannot be read (missing, unreadable metadata, a shard missing or cut short), or
+    None; reads the metadata and file sizes only."""
+    if not os.path.isdir(path):
+        return f"checkpoint {path} does not exist"
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:
+        return f"checkpoint {path} is unreadable or incomplete ({type(e).__name__})"
     for item in metadata.storage_data.values():
         file = os.path.join(path, item.relative_path)
         if not os.path.isfile(file) or os.path.getsize(file) < item.offset + item.length:
-            raise CheckpointError(f"checkpoint {path} is truncated: {item.relative_path} is missing or too short")
-    missing = [fqn for fqn in expected_shapes if fqn not in weights]
-    return WeightMismatch(path, missing, missing, [fqn for fqn in weights if fqn not in expected_shapes])
+            return f"checkpoint {path} is truncated: {item.relative_path} is missing or too short"
+    return None
 
 
 def saved_weights(path: str) -> set[str]:
@@ -403,23 +479,37 @@ def _incomplete_checkpoints(folder: str) -> list[tuple[int, str, str]]:
 def latest_checkpoint(cfg, dump_folder: str, report_skipped: bool = False) -> str | None:
     """Path of the checkpoint a run with `[checkpoint]` section `cfg` would resume from, if any.
 
-    Folders newer than the latest complete checkpoint that are incomplete (no DCP `.metadata`, or a `.tmp` save)
-    are skipped; with `report_skipped` a warning names them (pass it in one process of a run only, so that the
-    user reads it once: preflight and the other ranks run the same search).
+    With `load_step = -1` the newest intact checkpoint: folders that are incomplete (no DCP `.metadata`, or a `.tmp`
+    save) or damaged (unreadable metadata, a shard missing or cut short: a full disk, a failing node) are skipped, so
+    an unattended restart never stops on them; with `report_skipped` a warning names them (pass it in one process
+    of a run only: preflight and the other ranks run the same search). When every checkpoint is damaged,
+    CheckpointError: starting over would silently discard the run. A `load_step` is taken as it is (a damaged
+    one is then refused by `check_checkpoint`). With `enable = false` only a checkpoint saved on a preemption
+    signal counts (trainer/preemption.py): the same command continues after a requeue.
     """
-    if not cfg.enable:
-        return None
     folder = os.path.join(dump_folder, cfg.folder)
     steps = list_checkpoints(folder)
-    if cfg.load_step == -1 and report_skipped:
-        newest = steps[-1] if steps else -1
-        skipped = [f"{name} ({why})" for step, name, why in _incomplete_checkpoints(folder) if step > newest]
-        if skipped:
-            logger.warning("checkpoint: skipped %s in %s; %s", ", ".join(skipped), folder,
-                           f"resuming from step-{newest}" if steps else "no complete checkpoint to resume from")
-    if not steps:
-        return None
-    step = steps[-1] if cfg.load_step == -1 else cfg.load_step
-    if step not in steps:
-        raise CheckpointError(f"checkpoint.load_step {step} not found in {folder} (have {steps})")
-    return os.path.join(folder, f"step-{step}")
+    if not cfg.enable:
+        steps = [step for step in steps if os.path.isfile(os.path.join(folder, f"step-{step}", PREEMPTED_MARKER))]
+    if cfg.load_step != -1:
+        if cfg.load_step not in steps:
+            raise CheckpointError(f"checkpoint.load_step {cfg.load_step} not found in {folder} (have {steps})")
+        return os.path.join(folder, f"step-{cfg.load_step}")
+    skipped = [(step, f"{name} ({why})") for step, name, why in _incomplete_checkpoints(folder)] if cfg.enable else []
+    chosen, newest_damage = None, None
+    for step in reversed(steps):
+        path = os.path.join(folder, f"step-{step}")
+        damage = checkpoint_damage(path)
+        if damage is None:
+            chosen = step
+            break
+        newest_damage = newest_damage or damage
+        skipped.append((step, f"step-{step} ({damage.removeprefix(f'checkpoint {path} ')})"))
+    if chosen is None and newest_damage is not None:
+        # every checkpoint is damaged: starting over would silently throw the run's progress away
+        raise CheckpointError(f"{newest_damage}, and no older checkpoint in {folder} is intact")
+    skipped = [what for step, what in sorted(skipped) if chosen is None or step > chosen]
+    if skipped and report_skipped:
+        logger.warning("checkpoint: skipped %s in %s; %s", ", ".join(skipped), folder,
+                       f"resuming from step-{chosen}" if chosen is not None else "no intact checkpoint to resume from")
+    return None if chosen is None else os.path.join(folder, f"step-{chosen}")

@@ -36,11 +36,12 @@ def world_size_from_env() -> int:
 
 
 _started_group = False  # this process created a process group (end_process then skips the interpreter teardown)
+_store: dist.Store | None = None  # the store every rank joined (heartbeats: trainer/watchdog.py)
 
 
 def init_distributed(timeout_s: float = 300.0) -> torch.device:
     """Bind this process to its device and, under torchrun, create the default process group."""
-    global _started_group
+    global _started_group, _store
     device = local_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -53,7 +54,13 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
         dist.init_process_group(backend(), store=store, rank=rank_, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
         _started_group = True
+        _store = dist.PrefixStore("trainer", store)
     return device
+
+
+def store() -> dist.Store | None:
+    """The store of the process group this process created (None without one)."""
+    return _store
 
 
 def rank() -> int:

@@ -38,6 +38,7 @@ from trainer.optimizer import OptimizerSection
 from trainer.registry import ModelSection, MoESection, get_model_spec
 from trainer.tokenizer import TokenizerSection
 from trainer.training_config import TrainingSection, ValidationSection
+from trainer.watchdog import CommSection
 
 
 @dataclass
@@ -90,6 +91,8 @@ class JobConfig:
     """Validation."""
     memory: MemorySection = field(default_factory=MemorySection)
     """Memory tracking."""
+    comm: CommSection = field(default_factory=CommSection)
+    """Communication timeouts."""
 
 
 def load_config(argv: Sequence[str]) -> JobConfig:

@@ -10,7 +10,11 @@ launcher exits with the failing rank's code:
     run failed on rank 0: killed by SIGKILL (out of memory? the kernel log says)
     run failed on rank 0: exit code 1 without a message (its traceback is above)
 
-Exit codes (docs/errors.md): 0 done, 1 training error (non-finite loss with `training.on_nonfinite = "stop"`, a
+SIGTERM and SIGUSR1 reaching the launcher (the process a scheduler signals) are passed on to every rank, which
+saves a checkpoint and exits 0 (trainer/preemption.py); the launcher then prints the line of rank 0 and exits with
+75 (`EXIT_PREEMPTED`): requeue and run the same command.
+
+Exit codes (docs/errors.md): 0 done, 75 preempted with a checkpoint saved, 1 training error (non-finite loss with `training.on_nonfinite = "stop"`, a
 memory leak with `memory.fail_on_leak`) or an unexpected error, 2 bad input found after launch (data, checkpoint,
 config), 130 interrupted, 128 + N a rank killed by signal N.
 
@@ -25,8 +29,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+import tempfile
 import time
+
+from trainer.preemption import EXIT_PREEMPTED, STOP_FILE_ENV
 
 __all__ = ["main", "write_error_line"]
 
@@ -72,22 +80,66 @@ def _failure_line(error) -> tuple[str, int]:
     return f"{where}: exit code {failure.exitcode} without a message (its traceback is above)", failure.exitcode
 
 
+#: Signals the launcher passes on to the ranks instead of letting torchrun's agent stop them (the ranks' handlers,
+#: `checkpoint.preemption_signals`, decide what they mean; without a handler a rank ends as the signal's default).
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _children() -> list[int]:
+    """PIDs of this process's children (the ranks torchrun started), from /proc."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me:
+                found.append(int(entry))
+    return found
+
+
+def _forward(signum: int, frame) -> None:
+    for pid in _children():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 def main(argv: list[str]) -> int:
-    """Run torchrun with `argv`; return the exit code (0, or the failing rank's)."""
+    """Run torchrun with `argv`; return the exit code (0, EXIT_PREEMPTED, or the failing rank's)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     # the module that logs them (a filter applies to the records of its own logger only)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropReplacedRecords())
-    try:
-        run(parse_args(argv))
-    except ChildFailedError as e:
-        line, code = _failure_line(e)
-        sys.stdout.flush()
-        print(line, file=sys.stderr, flush=True)
-        return code
-    except KeyboardInterrupt:
-        return 130
+    # Preemption: torchrun's agent would answer SIGTERM by stopping the ranks and killing them 30 s later; the ranks
+    # need their grace period to save, so the launcher passes the signal on and waits for them. After a failure the
+    # agent still stops the others, and kills a rank that does not stop within 30 s (a stopped or hung one).
+    handled = "SIGINT,SIGHUP,SIGQUIT"
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled  # read by torchrun versions without the option
+    args = parse_args(argv)
+    if hasattr(args, "signals_to_handle"):
+        args.signals_to_handle = handled
+    for sig in FORWARDED:
+        signal.signal(sig, _forward)
+    with tempfile.TemporaryDirectory(prefix="trainer-launch-") as tmp:
+        stop_file = os.environ[STOP_FILE_ENV] = os.path.join(tmp, "preempted")
+        try:
+            run(args)
+        except ChildFailedError as e:
+            line, code = _failure_line(e)
+            sys.stdout.flush()
+            print(line, file=sys.stderr, flush=True)
+            return code
+        except KeyboardInterrupt:
+            return 130
+        if os.path.isfile(stop_file):
+            with open(stop_file) as f:
+                print(f.read().strip(), file=sys.stderr, flush=True)
+            return EXIT_PREEMPTED
     return 0
 
 

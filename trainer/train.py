@@ -31,8 +31,8 @@ from parallelisms.mesh import build_meshes
 from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.pipeline import build_pipeline
 from trainer import device as devices
-from trainer.checkpoint import (CheckpointError, CheckpointManager, WeightMismatch, check_checkpoint,
-                                latest_checkpoint, list_checkpoints)
+from trainer.checkpoint import (CheckpointError, CheckpointManager, CheckpointSaveError, WeightMismatch,
+                                check_checkpoint, latest_checkpoint)
 from trainer.config import ConfigError, config_to_toml
 from trainer.job_config import JobConfig, load_config, validate_job
 from trainer.data import DatasetError, build_dataloader, has_documents
@@ -43,8 +43,10 @@ from trainer.leak_detector import LeakDetector, MemoryLeakError
 from trainer.memory import MemoryMonitor, MemorySnapshots, MemoryStats
 from trainer.metrics import MetricLogger, init_logging, new_run_dir
 from trainer.optimizer import build_optimizer
+from trainer.preemption import STOP_FILE_ENV, PreemptedError, Preemption, parse_signals
 from trainer.registry import available_models, get_model_spec
 from trainer.tokenizer import build_tokenizer
+from trainer.watchdog import COLLECTIVE_MARGIN_S, Heartbeat, set_process_group_timeouts
 
 logger = logging.getLogger("trainer")
 
@@ -288,6 +290,16 @@ class Trainer:
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizers,
                                             self.lr_schedulers, self.train_loader)
         self.start_step = self.checkpoint.load()
+        signals = parse_signals(cfg.checkpoint.preemption_signals)
+        # a gloo group of its own: the flag is a CPU tensor, and polling it never waits for a device
+        flag_group = dist.new_group(backend="gloo") if signals and dist.is_initialized() else None
+        self.preemption = Preemption(signals, flag_group)
+        self.heartbeat = None
+        if dist.is_initialized() and self.dims.world_size > 1 and devices.store() is not None:
+            self.heartbeat = Heartbeat(devices.store(), self.rank, self.dims.world_size,
+                                       cfg.comm.init_timeout_seconds)
+        if cfg.comm.init_timeout_steps == 0 and dist.is_initialized():
+            self._enter_train_timeout()
         source = f"HF config {cfg.model.hf_config_path}" if cfg.model.hf_config_path else cfg.model.flavor
         logger.info("model %s (%s): %.2fM params (%.2fM active per token), %.1f MFLOP/token, device %s, world %d",
                     cfg.model.name, source, self.total_params / 1e6, self.active_params / 1e6,
@@ -318,6 +330,37 @@ class Trainer:
                     "cold compile time per graph measured on a 2-core CPU, docs/compile.md; less with a warm "
                     "inductor cache)", blocks, " and the loss" if loss else "", graphs * SECONDS_PER_GRAPH, graphs,
                     SECONDS_PER_GRAPH)
+
+    def _enter_train_timeout(self) -> None:
+        """After the first steps (compile, warm-up): the heartbeat's timeout becomes the train timeout, and the
+        collectives' the train timeout plus a margin, so that a silent rank is named before a collective times out
+        without naming anyone (trainer/watchdog.py)."""
+        seconds = self.cfg.comm.train_timeout_seconds
+        set_process_group_timeouts(seconds + COLLECTIVE_MARGIN_S)
+        if self.heartbeat is not None:
+            self.heartbeat.timeout, self.heartbeat.timeout_key = seconds, "comm.train_timeout_seconds"
+
+    def _stop_for_preemption(self, step: int) -> None:
+        """The ranks agreed on a preemption signal: save the state after `step` (unless it is saved already) and
+        leave the loop; the process then ends with exit code 0 (trainer/preemption.py)."""
+        signal_name = self.preemption.received.name if self.preemption.received is not None else "a signal"
+        if step <= self.start_step:
+            line = f"preempted by {signal_name} before step {step + 1} finished: nothing new to save"
+        else:
+            t0 = time.perf_counter()
+            if not self.cfg.checkpoint.enable and self.rank == 0:
+                logger.info("checkpoint.enable is false: the preemption checkpoint goes to %s, which the same "
+                            "command resumes from", self.checkpoint.folder)
+            path = self.checkpoint.save_now(step, marker={"step": step, "signal": signal_name})
+            line = (f"preempted by {signal_name}: checkpoint of step {step} saved to {path} in "
+                    f"{time.perf_counter() - t0:.1f} s, {self.preemption.seconds_since_signal():.1f} s after the "
+                    "signal; the same command resumes from it")
+        if self.rank == 0:
+            logger.warning(line)
+            stop_file = os.environ.get(STOP_FILE_ENV)
+            if stop_file:
+                with open(stop_file, "w") as f:
+                    f.write(line)
 
     def _load_hf_weights(self, path: str) -> None:
         """Initial weights from a HF checkpoint directory, read in full on every rank, then sharded."""
@@ -359,16 +402,25 @@ class Trainer:
             del out  # free the logits before backward allocates their gradient
             (micro_loss / global_tokens).backward()
             loss_sum += micro_loss.detach()
+            if start + lbs < inputs.shape[0] and self.preemption.requested():
+                raise PreemptedError
         return loss_sum
 
     def train_step(self, step: int) -> dict[str, float]:
         """One optimizer step over the global batch; returns the scalars to log."""
         cfg = self.cfg
+        position = self.train_loader.state_dict() if self.preemption.signals else None
         inputs, labels = self.train_loader.next_batch()
         global_tokens = self._all_reduce_sum(count_valid_tokens(labels).to(self.device)).item()
         self.spec.before_step(self.model_parts, global_tokens)
 
-        loss_sum = self._forward_backward(inputs, labels, global_tokens)
+        try:
+            loss_sum = self._forward_backward(inputs, labels, global_tokens)
+        except PreemptedError:  # stopped between microbatches: as if this step had not started
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+            self.train_loader.load_state_dict(position)
+            raise
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, self.pp_group)
         loss = self._all_reduce_sum(loss_sum, with_pp=True).item() / global_tokens
@@ -404,7 +456,9 @@ class Trainer:
         tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         try:
             lbs = self.cfg.training.local_batch_size
-            for _ in range(self.cfg.validation.steps):
+            for index in range(self.cfg.validation.steps):
+                if index and self.preemption.requested():
+                    raise PreemptedError
                 inputs, labels = self.val_loader.next_batch()
                 tokens += count_valid_tokens(labels).to(self.device)
                 for start in range(0, inputs.shape[0], lbs):
@@ -432,9 +486,15 @@ class Trainer:
         summary = _RunSummary(time.perf_counter())
         with self.memory, self.snapshots:
             for step in range(self.start_step + 1, cfg.training.steps + 1):
+                if self.heartbeat is not None:
+                    self.heartbeat.step = step
                 t0 = time.perf_counter()
-                with _data_errors_at(cfg, step, self.rank, validation=False):
-                    scalars = self.train_step(step)
+                try:
+                    with _data_errors_at(cfg, step, self.rank, validation=False):
+                        scalars = self.train_step(step)
+                except PreemptedError:  # between microbatches: the step was rolled back
+                    self._stop_for_preemption(step - 1)
+                    break
                 elapsed = time.perf_counter() - t0
                 mem = self.memory.step_end()
                 self.snapshots.step_end(step)
@@ -447,11 +507,15 @@ class Trainer:
                 if mem.allocated_bytes is not None:  # the detector must never see unmeasured memory
                     verdict = self.leak_detector.update(step, mem.allocated_bytes, mem.breakdown)
                     scalars.update(self.leak_detector.scalars(verdict))
+                stop = False
                 if self.val_loader is not None and step % cfg.validation.freq == 0:
-                    with _data_errors_at(cfg, step, self.rank, validation=True):
-                        scalars["validation/loss"] = self.validate()
-                    summary.validation = (step, scalars["validation/loss"])
-                    logger.info("step %d validation loss %.4f", step, scalars["validation/loss"])
+                    try:
+                        with _data_errors_at(cfg, step, self.rank, validation=True):
+                            scalars["validation/loss"] = self.validate()
+                        summary.validation = (step, scalars["validation/loss"])
+                        logger.info("step %d validation loss %.4f", step, scalars["validation/loss"])
+                    except PreemptedError:  # the step itself is done: its checkpoint is saved below
+                        stop = True
                 if self.dims.ep_enabled:
                     # the comm backend's own scalars, measured now (e.g. handles alive past the step)
                     scalars.update(get_comm_backend(cfg.parallelism.expert_parallel_comm_backend).metrics())
@@ -466,6 +530,11 @@ class Trainer:
                 # after the step is logged: the alarm's step and slope are in tensorboard when the run stops
                 self.leak_detector.check()
                 self.checkpoint.maybe_save(step, last=step == cfg.training.steps)
+                if step == self.start_step + cfg.comm.init_timeout_steps and dist.is_initialized():
+                    self._enter_train_timeout()
+                if stop or self.preemption.requested():
+                    self._stop_for_preemption(step)
+                    break
         self.checkpoint.finish()  # the summary names the last checkpoint: an async save must be published first
         self._log_summary(summary)
         return losses
@@ -493,12 +562,14 @@ class Trainer:
         elif peak_rss is not None:
             parts.append(f"max RSS {peak_rss / 2**30:.2f} GiB{of} (tensor memory not tracked)")
         parts.append(f"tensorboard {self.tb_run_dir}" if self.tb_run_dir else "tensorboard off")
-        saved = list_checkpoints(self.checkpoint.folder) if self.cfg.checkpoint.enable else []
-        parts.append(f"checkpoint {os.path.join(self.checkpoint.folder, f'step-{saved[-1]}')}" if saved
-                     else "no checkpoint")
+        saved = self.checkpoint.last_published
+        parts.append(f"checkpoint {saved}" if saved else "no checkpoint")
         logger.info("run done: %s", ", ".join(parts))
 
     def close(self) -> None:
+        self.preemption.close()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         self.checkpoint.finish()
         self.metrics.close()
 
@@ -520,7 +591,7 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
     """
     world_size, rank = devices.world_size_from_env(), int(os.environ.get("RANK", 0))
     prep = prepare(cfg, world_size, rank)
-    device = devices.init_distributed()
+    device = devices.init_distributed(timeout_s=cfg.comm.init_timeout_seconds)
     init_logging(devices.rank())
     if devices.rank() == 0:
         _warn_settings_without_effect(prep, device)
@@ -577,14 +648,28 @@ def main(argv: list[str] | None = None) -> None:
         line, code = str(e), 2
     except CheckpointError as e:
         line, code = f"checkpoint error: {e}", 2
+    except CheckpointSaveError as e:
+        line, code = f"checkpoint error: {e}", 1
     except DatasetError as e:
         line, code = _data_error_line(e), 2
     except (TrainingError, MemoryLeakError) as e:
         line, code = f"training error: {e}", 1
+    except RuntimeError as e:
+        if not _lost_peer(e):
+            raise
+        # another rank failed or was stopped first: its own line is the one to read (the launcher prefers it)
+        print(f"communication error on rank {devices.rank()}: {' '.join(str(e).split())[:300]}", file=sys.stderr,
+              flush=True)
+        code = 1
     if line is not None:
         print(line, file=sys.stderr, flush=True)
         write_error_line(line)
     devices.end_process(code)
+
+
+def _lost_peer(error: RuntimeError) -> bool:
+    """A collective that failed because a peer died or did not answer within the timeout."""
+    return isinstance(error, dist.DistError) or "third_party/gloo" in str(error)
 
 
 if __name__ == "__main__":
