@@ -227,7 +227,8 @@ def test_compile_gain_smoke_report_against_its_variants(capsys):
 
 # ----------------------------------------------------------------------------------------------- 4 ranks, FSDP x EP
 
-BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
+# 3 layers (1 dense, 2 MoE): every kind of compiled piece, half the debug model's graphs to compile
+BASE = ["--job.config_file", "train_configs/debug_model.toml", "--model.n_layers", "3", "--training.seq_len", "32",
         "--training.global_batch_size", "4", "--training.local_batch_size", "1", "--training.steps", "6",
         "--validation.enable", "true", "--validation.freq", "3", "--validation.steps", "1",
         "--memory.track", "off", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "6",

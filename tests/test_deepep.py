@@ -51,7 +51,7 @@ TRAIN_BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training
               "--training.global_batch_size", "4", "--training.local_batch_size", "1", "--training.steps", "4",
               "--validation.enable", "true", "--validation.freq", "1", "--validation.steps", "1",
               "--memory.leak_window", "0", "--metrics.enable_tensorboard", "false",
-              "--training.deterministic", "true", "--model.flavor", "debugmodel"]
+              "--training.deterministic", "true", "--model.flavor", "debugmodel", "--model.n_layers", "3"]
 TRAIN_KEYS = ("loss", "grad_norm", "validation/loss", "memory/allocated_GiB", "moe/live_handles",
               "memory/deepep_buffer_bytes")
 
