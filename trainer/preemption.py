@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -65,7 +66,12 @@ class Preemption:
         self.received_at: float | None = None
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._previous = {}
-        for sig in signals:
+        if signals and threading.current_thread() is not threading.main_thread():
+            # Python delivers signals to the main thread only: a trainer built elsewhere cannot be preempted
+            logger.warning("checkpoint.preemption_signals: the trainer does not run in the main thread; preemption "
+                           "signals keep their default action")
+            self.signals = []
+        for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame) -> None:
