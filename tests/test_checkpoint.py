@@ -1,6 +1,7 @@
 """Checkpointing: exact resume, reshard across layouts, atomic saves, restart after a killed rank, NaN policy."""
 
 import logging
+import math
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from trainer.checkpoint import list_checkpoints
 from trainer.job_config import load_config
-from trainer.train import TrainingError, Trainer, run
+from trainer.train import TrainingError, Trainer, prepare, run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
@@ -240,3 +241,141 @@ def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path):
     # every (re)start is its own tensorboard run: the restarted one logs the steps after its checkpoint, up to 8
     losses = dict(read_scalars(run_dirs(str(dump / "tb"))[-1])["loss"])
     assert losses[8] == pytest.approx(reference[-1], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- weights that differ
+
+def _small_config(tmp_path, **changes) -> str:
+    """An HF config.json of the debug flavor cut to 2 layers at width 64 (with `changes`): a model that builds,
+    trains a step and saves in about a second."""
+    import json
+
+    from models.deepseek_v3.args import FLAVORS
+    from models.deepseek_v3.hf import hf_config_from_args
+
+    args = FLAVORS["debugmodel"].replace(n_layers=2, dim=64, inter_dim=128, moe_inter_dim=32, n_heads=2,
+                                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                         **changes)
+    path = tmp_path / f"config_{len(list(tmp_path.glob('config_*')))}.json"
+    path.write_text(json.dumps(hf_config_from_args(args)))
+    return str(path)
+
+
+def _small_argv(config: str, dump, *args) -> list[str]:
+    return ["--job.config_file", "train_configs/debug_model.toml", "--model.hf_config_path", config,
+            "--job.dump_folder", str(dump), "--training.seq_len", "32", "--training.local_batch_size", "1",
+            "--training.steps", "1", "--validation.enable", "false", "--memory.track", "off",
+            "--metrics.enable_tensorboard", "false", *args]
+
+
+def _trainer(argv: list[str]) -> tuple[Trainer, str | None]:
+    """A one-process trainer, its checkpoint already loaded (as `run` builds it, without a process group), and the
+    note of its partial load."""
+    prep = prepare(load_config(argv), world_size=1, rank=0)
+    return Trainer(prep, torch.device("cpu")), prep.checkpoint_note
+
+
+def _train(trainer: Trainer) -> list[float]:
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def _refused_in_preflight(argv: list[str], capsys) -> str:
+    """The one line `python -m trainer.preflight` ends with (exit code 2, no traceback)."""
+    from trainer.config import run_with_config_errors
+    from trainer.preflight import _check
+
+    with pytest.raises(SystemExit) as exc:
+        run_with_config_errors(_check, argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert exc.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _model_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model_parts[0].state_dict().items()}
+
+
+@pytest.mark.slow
+def test_native_checkpoint_and_model_differing_in_mtp_are_refused_unless_a_partial_load(tmp_path, capsys):
+    """Our own step-N checkpoints, saved with and without MTP, loaded by a run that builds the other: refused in
+    preflight (initial load and resume) with one line naming the MTP weights, and the switch when the checkpoint
+    lacks them; with checkpoint.allow_partial_load the run loads everything else and trains."""
+    config = _small_config(tmp_path)
+    no_mtp = _small_argv(config, tmp_path / "no_mtp", "--checkpoint.enable", "true", "--model.mtp_layers", "0")
+    _train(_trainer(no_mtp)[0])
+    step1 = str(tmp_path / "no_mtp" / "checkpoint" / "step-1")
+    # a run with MTP on from a checkpoint without MTP weights: the switch that turns MTP off is named
+    want = (f"config error: checkpoint: checkpoint {step1} lacks mtp.layers.0.* (19 weights) that the model "
+            "expects; train without them: --model.mtp_layers 0")
+    line = _refused_in_preflight(_small_argv(config, tmp_path / "mtp", "--model.mtp_layers", "1",
+                                             "--checkpoint.initial_load_path", step1), capsys)
+    assert line == want
+    assert not (tmp_path / "mtp").exists()
+    resume = no_mtp[:-1] + ["1", "--training.steps", "2"]
+    assert _refused_in_preflight(resume, capsys) == want
+    assert list_checkpoints(tmp_path / "no_mtp" / "checkpoint") == [1]
+
+    # allowed: the MTP layer keeps its initialisation, the rest is the checkpoint's; it trains and saves with MTP
+    with_mtp = _small_argv(config, tmp_path / "mtp", "--model.mtp_layers", "1", "--checkpoint.initial_load_path",
+                           step1, "--checkpoint.allow_partial_load", "true", "--checkpoint.enable", "true")
+    trainer, note = _trainer(with_mtp)
+    assert note == f"partial load of {step1}: mtp.layers.0.* (19 weights) the checkpoint lacks keep their " \
+                   "initialisation"
+    saved, loaded = _model_tensors(step1, tmp_path), _model_weights(trainer)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved) and len(loaded) == len(saved) + 19
+    assert all(math.isfinite(loss) for loss in _train(trainer))
+
+    # the reverse, an MTP the run turns off: the checkpoint's mtp.* weights are named, on resume too
+    mtp1 = str(tmp_path / "mtp" / "checkpoint" / "step-1")
+    off = _small_argv(config, tmp_path / "off", "--model.mtp_layers", "0", "--checkpoint.initial_load_path", mtp1)
+    line = _refused_in_preflight(off, capsys)
+    assert f"checkpoint {mtp1} holds mtp.layers.0.* (19 weights) that the model does not have" in line
+    assert line.endswith("checkpoint.allow_partial_load = true loads the rest")
+    resume_off = _small_argv(config, tmp_path / "mtp", "--model.mtp_layers", "0", "--checkpoint.enable", "true",
+                             "--training.steps", "2")
+    assert f"checkpoint {mtp1} holds mtp.layers.0.* (19 weights)" in _refused_in_preflight(resume_off, capsys)
+    trainer, note = _trainer(off + ["--checkpoint.allow_partial_load", "true"])
+    assert note == f"partial load of {mtp1}: skipped mtp.layers.0.* (19 weights) the model does not have"
+    saved, loaded = _model_tensors(mtp1, tmp_path), _model_weights(trainer)
+    assert loaded.keys() == {k for k in saved if not k.startswith("mtp.")}
+    assert all(torch.equal(loaded[k], saved[k]) for k in loaded)
+    assert all(math.isfinite(loss) for loss in _train(trainer))
+
+
+@pytest.mark.slow
+def test_another_flavors_experts_are_named_and_a_partial_load_skips_them(tmp_path, capsys):
+    """A checkpoint of a model with 16 experts (same names, other shapes) into one with 8: refused in preflight naming
+    the first weights and their count (resume: a resume needs every weight); with checkpoint.allow_partial_load the
+    weights that match in name and shape are loaded, the others keep their initialisation, and the run trains."""
+    sixteen = _small_argv(_small_config(tmp_path, n_routed_experts=16), tmp_path / "sixteen", "--checkpoint.enable",
+                          "true")
+    _train(_trainer(sixteen)[0])
+    step1 = str(tmp_path / "sixteen" / "checkpoint" / "step-1")
+    config = _small_config(tmp_path)
+    initial = _small_argv(config, tmp_path / "eight", "--checkpoint.initial_load_path", step1)
+    line = _refused_in_preflight(initial, capsys)
+    reshaped = ("layers.1.moe.expert_bias, layers.1.moe.router.gate.weight, layers.1.moe.experts.w1 and 2 more "
+                "(5 weights)")
+    assert line == (f"config error: checkpoint: checkpoint {step1} holds {reshaped} in other shapes than the model's "
+                    "(layers.1.moe.expert_bias: [16] saved, [8] in the model): saved from another "
+                    "flavor or other model settings?; checkpoint.allow_partial_load = true loads the weights that "
+                    "match and skips these")
+    resume = _small_argv(config, tmp_path / "sixteen", "--checkpoint.enable", "true", "--training.steps", "2",
+                         "--checkpoint.allow_partial_load", "true")
+    assert "a resume needs every weight" in _refused_in_preflight(resume, capsys)
+
+    trainer, note = _trainer(initial + ["--checkpoint.allow_partial_load", "true"])
+    assert note == (f"partial load of {step1}: skipped {reshaped} in other shapes than the model's (they keep their "
+                    "initialisation)")
+    fresh = _model_weights(_trainer(_small_argv(config, tmp_path / "fresh"))[0])
+    saved, loaded = _model_tensors(step1, tmp_path), _model_weights(trainer)
+    skipped = {k for k in loaded if saved[k].shape != loaded[k].shape}
+    assert skipped == {"layers.1.moe.router.gate.weight", "layers.1.moe.expert_bias"} | {
+        f"layers.1.moe.experts.w{i}" for i in (1, 2, 3)}
+    assert all(torch.equal(loaded[k], fresh[k] if k in skipped else saved[k]) for k in loaded)
+    assert not torch.equal(loaded["layers.0.attention.wo.weight"], fresh["layers.0.attention.wo.weight"])
+    assert all(math.isfinite(loss) for loss in _train(trainer))

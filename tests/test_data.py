@@ -213,6 +213,16 @@ def test_unreadable_or_wrong_field_local_file_is_a_dataset_error(tok, offline_da
         list(load_documents(cfg, "train").iter_texts(0))
     assert err.value.key == "text_field" and err.value.allowed == "a string field the documents have: content"
 
+    # a later document without the field is named by its file line too (blank lines hold no document)
+    data.write_text("\n".join([json.dumps({"text": "a"}), "", json.dumps({"text": "b"}), json.dumps({"body": "c"})]))
+    for streaming in (True, False):
+        cfg.streaming = streaming
+        with pytest.raises(DatasetError) as err:
+            list(load_documents(cfg, "train").iter_texts(0))
+        assert err.value.problem == f"{data} [train]: {data} line 4 (document 2) has no string field 'text' (its " \
+                                    "fields: body)"
+        assert err.value.allowed.endswith(f"fix or remove {data} line 4 (document 2)")
+
     data.write_text(json.dumps({"text": "fine"}) + "\n{\"text\": broken\n")
     for streaming in (True, False):
         cfg.streaming = streaming

@@ -101,14 +101,14 @@ def test_non_finite_stop_on_two_ranks_ends_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_document_without_the_text_field_names_document_step_and_fields(tmp_path):
+def test_document_without_the_text_field_names_its_line_document_step_and_fields(tmp_path):
     data = tmp_path / "docs.jsonl"
     with open(data, "w") as f:
         for i in range(60):
             f.write(json.dumps({"text": f"short document {i} with a few words"} if i != 30 else {"body": "x"}) + "\n")
     result = run_train(tmp_path, "--training.steps", "30", "--dataset.path", str(data), ngpu=2)
-    last = assert_ends_with_one_line(result, 2, "data error at step", "document 30 has no string field 'text'",
-                                     "(its fields: body)", "dataset.text_field")
+    last = assert_ends_with_one_line(result, 2, "data error at step", "dataset.text_field",
+                                     f"{data} line 31 (document 30) has no string field 'text' (its fields: body)")
     assert "fields: text, body" not in last
 
 

@@ -366,6 +366,58 @@ def test_unexpected_key_is_named(exported):
         load_hf_pretrained(root)
 
 
+def test_another_flavors_experts_are_named_by_shape_and_skipped_by_a_partial_load(tmp_path):
+    """A checkpoint whose experts have other shapes under the same names (moe_intermediate_size 48, the model's 32):
+    the preflight comparison lists them with both shapes, the trainer's line names the first ones and their count, a
+    full load refuses them, and a partial load reads every other weight and leaves these to the model's own."""
+    from models.deepseek_v3.hf import compare_checkpoint
+    from trainer.checkpoint import WeightMismatch
+
+    other = OUR_TINY.replace(moe_inter_dim=48)
+    saved = build_ours(other).state_dict()
+    save_hf_checkpoint(saved, other, tmp_path, max_shard_bytes=64 * 1024)
+    missing, extra, reshaped = compare_checkpoint(tmp_path, OUR_TINY)
+    assert not missing and not extra
+    assert len(reshaped) == 2 * (3 + 8 * 3)  # two MoE layers: the shared expert and 8 routed experts, 3 weights each
+    assert all(".mlp.shared_experts." in key or ".mlp.experts." in key for key in reshaped)
+    first = "model.layers.1.mlp.shared_experts.gate_proj.weight"
+    assert next(iter(reshaped.items())) == (first, ((48, 64), (32, 64)))
+    assert reshaped["model.layers.2.mlp.experts.7.down_proj.weight"] == ((64, 48), (64, 32))
+    mismatch = WeightMismatch(str(tmp_path), [], [], [], reshaped)
+    line = mismatch.problem({}, allow_partial=False, resume=False)
+    assert (f"holds {first}, model.layers.1.mlp.shared_experts.up_proj.weight, "
+            "model.layers.1.mlp.shared_experts.down_proj.weight and 51 more (54 weights) in other shapes than the "
+            f"model's ({first}: [48, 64] saved, [32, 64] in the model)") in line
+    assert line.endswith("checkpoint.allow_partial_load = true loads the weights that match and skips these")
+    assert mismatch.problem({}, allow_partial=True, resume=False) is None
+    assert "skipped model.layers.1.mlp.shared_experts.gate_proj.weight" in mismatch.note()
+
+    with pytest.raises(ValueError, match=r"\.mlp\.(shared_)?experts\.\S+: shape \[(48, 64|64, 48)\] in checkpoint"):
+        read_hf_state_dict(tmp_path, OUR_TINY)
+    partial = read_hf_state_dict(tmp_path, OUR_TINY, partial=True)
+    skipped = {f"layers.{i}.moe.{part}" for i in (1, 2) for part in (
+        "shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight", "experts.w1",
+        "experts.w2", "experts.w3")}
+    assert partial.keys() == expected_shapes(OUR_TINY).keys() - skipped
+    assert all(torch.equal(partial[fqn], saved[fqn]) for fqn in partial)
+
+
+@pytest.mark.parametrize("mtp_layers, from_flavor, from_hf_config", [("-1", 3, 1), ("0", 0, 0), ("2", 2, 2)])
+def test_model_mtp_layers_builds_the_flavors_or_configs_depth_none_or_n(tmp_path, monkeypatch, mtp_layers,
+                                                                          from_flavor, from_hf_config):
+    """`model.mtp_layers`: -1 = the flavor's depth (here a debug flavor given 3) or the HF config's
+    num_nextn_predict_layers (1), 0 = no MTP, N = N layers."""
+    from trainer.registry import get_model_spec
+
+    monkeypatch.setitem(FLAVORS, "debugmodel", FLAVORS["debugmodel"].replace(num_mtp_layers=3))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(hf_config_from_args(FLAVORS["debugmodel"].replace(num_mtp_layers=1))))
+    build_args = get_model_spec("deepseek_v3").build_args
+    argv = ["--job.config_file", "train_configs/debug_model.toml", "--model.mtp_layers", mtp_layers]
+    assert build_args(load_config(argv)).num_mtp_layers == from_flavor
+    assert build_args(load_config(argv + ["--model.hf_config_path", str(config)])).num_mtp_layers == from_hf_config
+
+
 # ------------------------------------------------------------------------------------------------ CLI
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:

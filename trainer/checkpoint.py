@@ -21,7 +21,7 @@ import os
 import pickle
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -123,8 +123,9 @@ class ModelState(Stateful):
 
 
 class _OnlySaved(Stateful):
-    """A partial load's view of the model state: only the weights the checkpoint holds are asked for (DCP refuses
-    to load a key it lacks); the others keep their initialisation."""
+    """A partial load's view of the model state: only the weights the checkpoint holds in the model's shapes are
+    asked for (DCP refuses to load a key it lacks or a tensor of another shape); the others keep their
+    initialisation."""
 
     def __init__(self, model: ModelState, saved: set[str]):
         self.model, self.saved = model, saved
@@ -255,7 +256,9 @@ class CheckpointManager:
         if self.cfg.initial_load_path and not self.cfg.initial_load_in_hf:
             model = self.model
             if self.cfg.allow_partial_load:
-                model = _OnlySaved(self.model, saved_weights(self.cfg.initial_load_path))
+                shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+                model = _OnlySaved(self.model, check_checkpoint(self.cfg.initial_load_path, shapes,
+                                                                model_only=True).loadable(shapes))
             self._load({"model": model}, self.cfg.initial_load_path)
             logger.info("initial weights loaded from %s", self.cfg.initial_load_path)
         return 0
@@ -372,22 +375,35 @@ def key_groups(keys: list[str], limit: int = 4) -> str:
     return f"{shown} ({len(keys)} weight{'s' if len(keys) != 1 else ''})"
 
 
+def key_names(keys: list[str], limit: int = 3) -> str:
+    """The first `limit` keys in full, then a count: `a, b, c and 17 more (20 weights)`."""
+    shown = ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+    return f"{shown} ({len(keys)} weight{'s' if len(keys) != 1 else ''})"
+
+
+_RESUME_NEEDS_ALL = ("; a resume needs every weight: start a new run from it with checkpoint.initial_load_path and "
+                     "checkpoint.allow_partial_load = true")
+
+
 @dataclass
 class WeightMismatch:
     """The weights a checkpoint and a model do not share (names as the checkpoint spells them).
 
     missing: the model expects them, the checkpoint lacks them; `missing_ours` has them under the model's
         state_dict keys (for the hint of `optional_weights`). extra: the checkpoint holds them, the model has no
-        place for them.
+        place for them. reshaped: both have them, in other shapes (another flavor's experts): name -> (the
+        checkpoint's shape, the model's).
     """
 
     path: str
     missing: list[str]
     missing_ours: list[str]
     extra: list[str]
+    reshaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
 
     def problem(self, optional_weights: dict[str, str], allow_partial: bool, resume: bool) -> str | None:
-        """The one-line reason the checkpoint cannot be loaded, or None."""
+        """The one-line reason the checkpoint cannot be loaded, or None. A resume needs every weight of the model
+        as the model has it; an initial load with `allow_partial` takes what matches."""
         if self.missing and (resume or not allow_partial):
             line = f"checkpoint {self.path} lacks {key_groups(self.missing)} that the model expects"
             switches = {switch for prefix, switch in optional_weights.items()
@@ -395,11 +411,17 @@ class WeightMismatch:
             if switches:
                 line += f"; train without them: {' '.join(sorted(switches))}"
             elif resume:
-                line += ("; a resume needs every weight: start a new run from it with checkpoint.initial_load_path "
-                         "and checkpoint.allow_partial_load = true")
+                line += _RESUME_NEEDS_ALL
             else:
                 line += "; checkpoint.allow_partial_load = true keeps their initialisation"
             return line
+        if self.reshaped and (resume or not allow_partial):
+            name, (saved, wanted) = next(iter(self.reshaped.items()))
+            line = (f"checkpoint {self.path} holds {key_names(list(self.reshaped))} in other shapes than the model's "
+                    f"({name}: {list(saved)} saved, {list(wanted)} in the model): saved from another flavor or "
+                    "other model settings?")
+            return line + (_RESUME_NEEDS_ALL if resume else
+                           "; checkpoint.allow_partial_load = true loads the weights that match and skips these")
         if self.extra and not allow_partial:
             return (f"checkpoint {self.path} holds {key_groups(self.extra)} that the model does not have (a deeper "
                     "model, another flavor, or a part this run leaves out?); checkpoint.allow_partial_load = true "
@@ -411,15 +433,24 @@ class WeightMismatch:
         parts = []
         if self.extra:
             parts.append(f"skipped {key_groups(self.extra)} the model does not have")
+        if self.reshaped:
+            parts.append(f"skipped {key_names(list(self.reshaped))} in other shapes than the model's (they keep "
+                         "their initialisation)")
         if self.missing:
             parts.append(f"{key_groups(self.missing)} the checkpoint lacks keep their initialisation")
         return f"partial load of {self.path}: " + "; ".join(parts) if parts else None
 
+    def loadable(self, expected_shapes: dict[str, tuple[int, ...]]) -> set[str]:
+        """The model's keys a partial load reads: in the checkpoint, in the model's shape (native checkpoints,
+        whose names are the model's)."""
+        return set(expected_shapes) - set(self.missing) - set(self.reshaped)
+
 
 def check_checkpoint(path: str, expected_shapes: dict[str, tuple[int, ...]],
                      model_only: bool = False) -> WeightMismatch:
-    """Raise CheckpointError unless `path` is a complete, readable DCP checkpoint whose weights that the model also
-    has match `expected_shapes`; return the weights the two do not share (the caller decides).
+    """Raise CheckpointError unless `path` is a complete, readable DCP checkpoint (with optimizer state unless
+    `model_only`); return the weights it and a model of `expected_shapes` do not share by name or by shape (the
+    caller decides).
 
     Reads only metadata and file sizes, so the trainer can run it before any process group exists: a corrupt or
     truncated checkpoint, or one from another flavor, is reported as one line before anything starts.
@@ -429,15 +460,15 @@ def check_checkpoint(path: str, expected_shapes: dict[str, tuple[int, ...]],
         raise CheckpointError(damage)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     weights = {key[len("model."):]: entry for key, entry in saved.items() if key.startswith("model.")}
+    if not model_only and not any(key.startswith("optimizer.") for key in saved):
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state (a model-only export cannot be resumed)")
+    reshaped = {}
     for fqn, shape in expected_shapes.items():
         entry = weights.get(fqn)
         if entry is not None and tuple(getattr(entry, "size", ())) != tuple(shape):
-            raise CheckpointError(f"checkpoint {path}: {fqn} has shape {tuple(entry.size)}, the model needs "
-                                  f"{tuple(shape)}: saved from another flavor?")
-    if not model_only and not any(key.startswith("optimizer.") for key in saved):
-        raise CheckpointError(f"checkpoint {path} holds no optimizer state (a model-only export cannot be resumed)")
+            reshaped[fqn] = (tuple(entry.size), tuple(shape))
     missing = [fqn for fqn in expected_shapes if fqn not in weights]
-    return WeightMismatch(path, missing, missing, [fqn for fqn in weights if fqn not in expected_shapes])
+    return WeightMismatch(path, missing, missing, [fqn for fqn in weights if fqn not in expected_shapes], reshaped)
 
 
 def checkpoint_damage(path: str) -> str | None:
@@ -454,12 +485,6 @@ def checkpoint_damage(path: str) -> str | None:
         if not os.path.isfile(file) or os.path.getsize(file) < item.offset + item.length:
             return f"checkpoint {path} is truncated: {item.relative_path} is missing or too short"
     return None
-
-
-def saved_weights(path: str) -> set[str]:
-    """The model state_dict keys a DCP checkpoint holds (from its metadata)."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    return {key[len("model."):] for key in saved if key.startswith("model.")}
 
 
 def _incomplete_checkpoints(folder: str) -> list[tuple[int, str, str]]:

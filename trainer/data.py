@@ -134,13 +134,16 @@ class HFDocuments:
     """
 
     def __init__(self, dataset: Any, text_field: str, description: str, key: str = "name",
-                 locate: Callable[[], str | None] | None = None) -> None:
+                 locate: Callable[[], str | None] | None = None,
+                 line_of: Callable[[int], str | None] | None = None) -> None:
         self.dataset = dataset
         self.text_field = text_field
         self.description = description
         self.key = key  # the dataset setting a document that cannot be parsed is reported on
         # finds the row a parse error is in (the library names its row within a block, not the document)
         self.locate = locate
+        # the file and line of a document, for a document without the text field (local JSON Lines files)
+        self.line_of = line_of
 
     def iter_texts(self, start: int) -> Iterator[str]:
         """Texts from index ``start`` on; raises ``DatasetError`` on a missing or non-string field, or a document
@@ -162,12 +165,14 @@ class HFDocuments:
                 # json files share one schema: a field another document has is None here, not absent
                 present = [k for k, v in example.items() if v is not None]
                 fields = ", ".join(k for k, v in example.items() if isinstance(v, str)) or "none"
+                line = self.line_of(index) if self.line_of is not None else None
+                document = f"{line} (document {index})" if line else f"document {index}"
                 # the first document decides the field; a later one without it is a fault of that document
                 allowed = (f"a string field the documents have: {fields}" if index == 0 else
-                           f"documents that all have a string {self.text_field!r}: fix or remove document {index}")
+                           f"documents that all have a string {self.text_field!r}: fix or remove {document}")
                 raise DatasetError(
                     "text_field",
-                    f"{self.description}: document {index} has no string field {self.text_field!r} "
+                    f"{self.description}: {document} has no string field {self.text_field!r} "
                     f"(its fields: {', '.join(present) or 'none'})",
                     allowed,
                 )
@@ -355,28 +360,53 @@ def _import_datasets(allow_download: bool) -> Any:
     return datasets
 
 
-def _first_bad_json_line(files: list[str]) -> str | None:
-    """Where the first line of JSON Lines `files` that is not valid JSON is: `file line L (document D): why`, with D
-    counted as the loader counts documents (non-blank lines, files in order); None if every line parses. A `.json`
-    file that parses as a whole (one JSON value, not JSON Lines) is skipped."""
-    document = 0
+def _json_lines(files: list[str]) -> Iterator[tuple[str, int, str] | None]:
+    """(file, line number, line) of every non-blank line of JSON Lines `files`, in order: the loader's documents.
+    A `.json` file that parses as a whole (one JSON value, not JSON Lines) gives one None: its documents are not
+    lines, and the documents after it cannot be counted from here."""
     for file in files:
         with open(file, encoding="utf-8", errors="replace") as f:
             text = f.read()
         if file.endswith(".json"):
             try:
                 json.loads(text)
-                continue
             except json.JSONDecodeError:
                 pass
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
+            else:
+                yield None
                 continue
-            try:
-                json.loads(line)
-            except json.JSONDecodeError as e:
-                return f"{file} line {number} (document {document}) is not valid JSON: {e.msg} (column {e.colno})"
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                yield file, number, line
+
+
+def _first_bad_json_line(files: list[str]) -> str | None:
+    """Where the first line of JSON Lines `files` that is not valid JSON is: `file line L (document D): why`, with D
+    counted as the loader counts documents (left out after a whole-JSON file); None if every line parses."""
+    document: int | None = 0
+    for row in _json_lines(files):
+        if row is None:
+            document = None
+            continue
+        file, number, line = row
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as e:
+            which = f" (document {document})" if document is not None else ""
+            return f"{file} line {number}{which} is not valid JSON: {e.msg} (column {e.colno})"
+        if document is not None:
             document += 1
+    return None
+
+
+def _json_document_line(files: list[str], index: int) -> str | None:
+    """`file line L` of document `index` of JSON Lines `files`; None if it cannot be told (a whole-JSON file before
+    it, or fewer documents)."""
+    for document, row in enumerate(_json_lines(files)):
+        if row is None:
+            return None
+        if document == index:
+            return f"{row[0]} line {row[1]}"
     return None
 
 
@@ -449,7 +479,9 @@ def load_documents(dataset_cfg: Any, split: str) -> DocumentSource:
         locate = functools.partial(_first_bad_json_line, files) if builder == "json" else None
         dataset = _load_hf(datasets, split, "path", repr(str(path)), locate, path=builder, data_files=files,
                            streaming=streaming, **kwargs)
-        return HFDocuments(dataset, text_field, f"{path} [{split}]", key="path", locate=locate)
+        # a slice of the split ("train[10:]") numbers its documents from its own start: no line is named then
+        line_of = functools.partial(_json_document_line, files) if builder == "json" and "[" not in split else None
+        return HFDocuments(dataset, text_field, f"{path} [{split}]", key="path", locate=locate, line_of=line_of)
 
     name = dataset_cfg.name
     if name == "pydoc":

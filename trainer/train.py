@@ -139,9 +139,9 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
 
 
 def _check_checkpoints(cfg: JobConfig, spec, model_args) -> str | None:
-    """Fail before launch on a checkpoint that cannot be resumed or loaded (metadata, file sizes and weight names
-    only): unreadable, truncated, another shape, or weights the model and the checkpoint do not share (unless
-    `checkpoint.allow_partial_load`). Returns the note of an allowed partial load."""
+    """Fail before launch on a checkpoint that cannot be resumed or loaded (metadata, file sizes, weight names and
+    shapes only): unreadable, truncated, or weights the model and the checkpoint do not share by name or shape
+    (unless `checkpoint.allow_partial_load`). Returns the note of an allowed partial load."""
     ckpt = cfg.checkpoint
     try:
         resume = latest_checkpoint(ckpt, cfg.job.dump_folder)
@@ -152,8 +152,9 @@ def _check_checkpoints(cfg: JobConfig, spec, model_args) -> str | None:
         if resume is not None:
             mismatch = check_checkpoint(resume, shapes)
         elif ckpt.initial_load_in_hf:
-            missing, extra = spec.state_dict_adapter.compare_checkpoint(ckpt.initial_load_path, model_args)
-            mismatch = WeightMismatch(ckpt.initial_load_path, list(missing), list(missing.values()), extra)
+            missing, extra, reshaped = spec.state_dict_adapter.compare_checkpoint(ckpt.initial_load_path,
+                                                                                  model_args)
+            mismatch = WeightMismatch(ckpt.initial_load_path, list(missing), list(missing.values()), extra, reshaped)
         else:
             mismatch = check_checkpoint(ckpt.initial_load_path, shapes, model_only=True)
     except (CheckpointError, ValueError) as e:

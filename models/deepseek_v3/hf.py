@@ -337,17 +337,34 @@ def _ignored(hf_key: str, args: ModelArgs) -> bool:
     return _not_a_weight(hf_key, args) or _beyond_the_model(hf_key, args)
 
 
-def compare_checkpoint(path: str | Path, args: ModelArgs) -> tuple[dict[str, str], list[str]]:
-    """What a checkpoint directory holds against what a model of `args` needs, from its index or shard headers:
+def compare_checkpoint(path: str | Path, args: ModelArgs
+                       ) -> tuple[dict[str, str], list[str], dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """What a checkpoint directory holds against what a model of `args` needs, from its index and shard headers:
     ({hub key: our state_dict key} of the weights the checkpoint lacks, [hub keys of weights the model has no
-    place for]). FP8 scales, RoPE caches and the MTP layers' copies of shared tensors are neither.
-    ValueError if the directory or a shard is missing."""
+    place for], {hub key: (its shape in the checkpoint, the model's)} of the weights both have in other shapes).
+    FP8 scales, RoPE caches and the MTP layers' copies of shared tensors are none of them. ValueError if the
+    directory or a shard is missing."""
     _, key_to_file = checkpoint_files(path)
     key_map = hf_key_map(args)
     missing = {key: fqn for key, (fqn, _) in key_map.items() if key not in key_to_file}
     extra = [key for key in key_to_file
              if key not in key_map and not key.endswith("_scale_inv") and not _not_a_weight(key, args)]
-    return missing, extra
+    expected = expected_shapes(args)
+    reshaped = {}
+    for file in sorted({file for key, file in key_to_file.items() if key in key_map}):
+        with safe_open(file, framework="pt") as f:  # reads the header only
+            for key in f.keys():
+                if key in key_map:
+                    shape, wanted = tuple(f.get_slice(key).get_shape()), _slot_shape(key_map[key], expected)
+                    if shape != wanted:
+                        reshaped[key] = (shape, wanted)
+    return missing, extra, {key: reshaped[key] for key in key_map if key in reshaped}  # in checkpoint order
+
+
+def _slot_shape(target: KeyTarget, expected: dict[str, torch.Size]) -> tuple[int, ...]:
+    """The shape a hub tensor must have for its place among our tensors (one expert of a stacked tensor)."""
+    fqn, slot = target
+    return tuple(expected[fqn] if slot is None else expected[fqn][1:])
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, torch.Size]:
@@ -404,7 +421,8 @@ class _Sink:
 
     `targets` maps our FQNs to preallocated tensors (a model's parameters); with `targets=None` each tensor is
     allocated on first write in `dtype` (or the incoming dtype), the expert_bias always in fp32. `partial` skips
-    keys the model has no place for and leaves out the tensors the checkpoint lacks (a partial load).
+    keys the model has no place for or holds in another shape, and leaves out the tensors the checkpoint lacks (a
+    partial load).
     """
 
     def __init__(self, args: ModelArgs, targets: dict[str, torch.Tensor] | None = None,
@@ -426,15 +444,18 @@ class _Sink:
             return False
         raise ValueError(f"unexpected key {hf_key} for a checkpoint of these args")
 
-    def check_shape(self, hf_key: str, shape: list[int]) -> None:
-        fqn, slot = self.key_map[hf_key]
-        want = self.expected[fqn] if slot is None else self.expected[fqn][1:]
-        if list(shape) != list(want):
-            raise ValueError(f"{hf_key}: shape {list(shape)} in checkpoint, expected {list(want)}")
+    def fits(self, hf_key: str, shape: list[int]) -> bool:
+        """Whether a tensor of `shape` fits the place of `hf_key`: a partial load skips one that does not (it
+        keeps the model's initialisation), a full load raises ValueError."""
+        wanted = _slot_shape(self.key_map[hf_key], self.expected)
+        if tuple(shape) == wanted or self.partial:
+            return tuple(shape) == wanted
+        raise ValueError(f"{hf_key}: shape {list(shape)} in checkpoint, expected {list(wanted)}")
 
     @torch.no_grad()
     def write(self, hf_key: str, tensor: torch.Tensor) -> None:
-        self.check_shape(hf_key, list(tensor.shape))
+        if not self.fits(hf_key, list(tensor.shape)):
+            return
         fqn, slot = self.key_map[hf_key]
         if fqn not in self.targets:
             if not self.allocate:
@@ -554,7 +575,8 @@ def _stream_into(sink: _Sink, path: str | Path, progress: bool) -> dict[str, tor
             for hf_key in f.keys():
                 if hf_key.endswith("_scale_inv") or not sink.wants(hf_key):
                     continue
-                sink.check_shape(hf_key, f.get_slice(hf_key).get_shape())
+                if not sink.fits(hf_key, f.get_slice(hf_key).get_shape()):
+                    continue
                 sink.write(hf_key, _dequantized(hf_key, f.get_tensor(hf_key),
                                                 lambda key: _read_scale(key, key_to_file)))
     return sink.finish(str(path))
@@ -592,8 +614,8 @@ def load_hf_weights(model: DeepSeekV3Model, path: str | Path, progress: bool = F
 def read_hf_state_dict(path: str | Path, args: ModelArgs, dtype: torch.dtype | None = torch.float32,
                        progress: bool = False, partial: bool = False) -> dict[str, torch.Tensor]:
     """Our state dict (FQN -> tensor in `dtype`; None keeps the checkpoint's dtype) streamed from a HF checkpoint
-    directory, without building a model. `partial`: skip weights the model has no place for and leave out those
-    the checkpoint lacks, instead of raising ValueError."""
+    directory, without building a model. `partial`: skip weights the model has no place for or holds in another
+    shape, and leave out those the checkpoint lacks, instead of raising ValueError."""
     return _stream_into(_Sink(args, dtype=dtype, partial=partial), path, progress)
 
 
