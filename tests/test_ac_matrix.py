@@ -2,19 +2,22 @@
 
 The matrix (generated below, one launch per world size, the model built once per cell):
 
-    layouts   1 process, fsdp2, fsdp2 x ep2, fsdp4 x ep2, fsdp4 x ep4, hsdp 2x2 x ep2, pp2 x fsdp2, pp2 x fsdp2 x ep2
+    layouts   1 process, fsdp2, fsdp2 x ep2, fsdp4 x ep2, fsdp4 x ep4, hsdp 2x2 x ep2, pp2 x fsdp2, pp2 x fsdp2 x ep2,
+              pp2 x fsdp4 x ep2 (8 ranks)
     AC        none, selective (per-op, default save_ops), full
     backends  alltoall; and the DeepEP stand-in where EP > 1
 
 Each cell trains 2 steps of a small model (fp32, deterministic) on the same global batch of 8 x 16 tokens and
 must give the loss and global grad norm of one process with the same AC mode. Beyond the matrix, on the layouts
-whose experts are FSDP-sharded over 2 ranks (fsdp4 x ep2, pp2 x fsdp4 x ep2), where AC used to crash in the first
-backward: both `fsdp_reshard_after_forward` settings, bf16, the FP8 blockwise recipe, and the Interleaved1F1B
-schedule, each with selective and full AC; torch.compile with both AC modes on fsdp4 x ep2 is in
-tests/test_compile.py. ZBVZeroBubble and DualPipeV refuse AC in preflight (tests/test_bad_inputs.py).
+whose experts are FSDP-sharded over 2 ranks, where AC used to crash in the first backward, each with selective and
+full AC: fsdp4 x ep2 with `fsdp_reshard_after_forward = never`, in bf16 and with the FP8 blockwise recipe;
+pp2 x fsdp4 x ep2 with `fsdp_reshard_after_forward = always` (the pipeline default keeps parameters unsharded,
+which hid the crash), with the Interleaved1F1B schedule, and in bf16 with selective AC. torch.compile with both AC
+modes on fsdp4 x ep2 is in tests/test_compile.py. ZBVZeroBubble and DualPipeV refuse AC in preflight
+(tests/test_bad_inputs.py).
 
-Time on the idle 2-core development machine (torch 2.13.0+cpu, 2026-11-25): 2 min 51 s for the whole file (the
-4-rank launch 107 s, the 8-rank one 40 s, the 2-rank one 15 s, the one-process references 4 s).
+Time on the 2-core development machine (torch 2.13.0+cpu, 2026-11-25): about 3 min 30 s for the whole file (the
+4-rank launch about 110 s, the 8-rank one about 75 s, the 2-rank one 15 s, the one-process references 4 s).
 """
 
 import itertools
@@ -71,6 +74,7 @@ LAYOUTS = {
                     + _ep(2), 2),
     "pp2_fsdp2": (4, _pp(4), 1),
     "pp2_fsdp2_ep2": (4, _pp(4) + _ep(2), 2),
+    "pp2_fsdp4_ep2": (8, _pp(2) + _ep(2), 2),
 }
 
 
@@ -87,11 +91,11 @@ def matrix_jobs(nproc: int) -> dict[str, list[str]]:
 
 
 def sharded_experts_jobs(nproc: int) -> dict[str, list[str]]:
-    """Beyond the matrix, with selective and full AC, on the layouts whose experts are FSDP-sharded over 2 ranks:
-    fsdp4 x ep2 (4 ranks) with experts kept unsharded after forward, bf16 and FP8 blockwise; pp2 x fsdp4 x ep2 (8
-    ranks) with both comm backends and with the Interleaved1F1B schedule (its run without AC is the same as
-    pp2 x fsdp2 x ep2's with more data-parallel ranks, and AC is what crashed there). (Compiled, with both AC modes:
-    tests/test_compile.py, against the eager run of the same layout.)"""
+    """Beyond the matrix, on the layouts whose experts are FSDP-sharded over 2 ranks, with selective and full AC:
+    fsdp4 x ep2 (4 ranks) with experts kept unsharded after forward, in bf16 and with FP8 blockwise; pp2 x fsdp4 x
+    ep2 (8 ranks) resharding after forward (what crashed without PP; the pipeline default keeps parameters), with
+    the Interleaved1F1B schedule, and in bf16 (selective). (Compiled, with both AC modes: tests/test_compile.py,
+    against the eager run of the same layout.)"""
     jobs = {}
     if nproc == 4:
         layout = LAYOUTS["fsdp4_ep2"][1]
@@ -101,13 +105,13 @@ def sharded_experts_jobs(nproc: int) -> dict[str, list[str]]:
             jobs[f"fsdp4_ep2/{ac}/bf16"] = layout + AC[ac] + BF16
             jobs[f"fsdp4_ep2/{ac}/fp8"] = layout + AC[ac] + FP8
     if nproc == 8:
-        layout = _pp(2) + _ep(2)
+        layout = LAYOUTS["pp2_fsdp4_ep2"][1]
         for ac in ("selective", "full"):
-            jobs[f"pp2_fsdp4_ep2/{ac}/alltoall"] = layout + AC[ac]
-            jobs[f"pp2_fsdp4_ep2/{ac}/deepep"] = layout + AC[ac] + DEEPEP
-        for ac in ("selective", "full"):
+            jobs[f"pp2_fsdp4_ep2/{ac}/reshard_always"] = layout + AC[ac] + [
+                "--parallelism.fsdp_reshard_after_forward", "always"]
             jobs[f"pp2_fsdp4_ep2/{ac}/interleaved"] = layout + AC[ac] + [
                 "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+        jobs["pp2_fsdp4_ep2/selective/bf16"] = layout + AC["selective"] + BF16
     return jobs
 
 
@@ -191,8 +195,8 @@ def test_four_ranks_matrix_and_sharded_experts(tmp_path, references):
 
 @pytest.mark.slow
 def test_eight_ranks_pipeline_with_sharded_experts(tmp_path, references):
-    jobs = sharded_experts_jobs(8)
-    assert len(jobs) == 2 * 2 + 2
+    jobs = matrix_jobs(8) | sharded_experts_jobs(8)
+    assert len(jobs) == 3 * 2 + 2 * 2 + 1
     assert_cells_match(launch(8, jobs, tmp_path), references)
 
 
@@ -208,7 +212,10 @@ def test_mission_layout_dry_run_with_deepep_and_selective_ac():
                        "--activation_checkpoint.mode", "selective"])
     rows = report(cfg, 16)
     assert [r["rank"] for r in rows] == [0, 8]
+    # every block of each stage is wrapped: the 16B flavor's 27 layers over the two stages
+    assert sum(r["checkpointed_blocks"] for r in rows) == 27, [r["checkpointed_blocks"] for r in rows]
     for row in rows:
+        assert row["checkpointed_blocks"] > 0
         experts = next(e for e in row["shardings"] if e["example"].endswith("experts.w1"))
         # 64 experts / EP 4 = 16 per rank, each FSDP-sharded over efsdp = 8 / 4 = 2 ranks on dim 0: 8 local rows
         assert experts["local_shape"][0] == 8, experts

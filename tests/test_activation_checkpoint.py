@@ -4,6 +4,7 @@
 (OpCounter), "held after forward" with torch's exact MemTracker.
 """
 
+import collections
 import datetime
 import json
 import os
@@ -571,6 +572,32 @@ def test_fsdp_runtime_in_a_checkpointed_block_stays_out_of_sac_replay(mode, monk
     for g, r in zip(got, reference):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
     assert below.counts["aten.cat.default"] == 1  # the recompute's "all-gather", seen below the SAC mode
+
+
+def test_fsdp_runtime_in_the_recompute_leaves_the_policy_unchanged():
+    """The bypass keeps what selective AC promises: the backward of a block whose recompute runs FSDP's runtime
+    (experts resharded after forward) dispatches exactly the ops of the same backward without it (experts kept
+    gathered) plus the runtime's own: the model's saved matmuls are not recomputed, its relu is, in both."""
+
+    def backward_ops(reshard: bool) -> collections.Counter:
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.layers = nn.ModuleDict({"0": _UnshardBlock()})
+        apply_ac(model.layers, ac(mode="selective", save_ops=["mm"], force_recompute_modules=[]), {})
+        model.layers["0"].experts.gathered = True
+        out = model.layers["0"](torch.randn(4, 8))
+        model.layers["0"].experts.gathered = not reshard
+        counter = OpCounter()
+        with counter:
+            out.sum().backward()
+        return counter.counts
+
+    kept, resharded = backward_ops(reshard=False), backward_ops(reshard=True)
+    # exactly the hook's "all-gather": detach, cat, ones, mm
+    hook = {"aten.detach.default": 1, "aten.cat.default": 1, "aten.ones.default": 1, "aten.mm.default": 1}
+    assert resharded - kept == collections.Counter(hook)
+    assert kept - resharded == collections.Counter()
+    assert kept["aten.relu.default"] == 1 and kept["aten.addmm.default"] == 0
 
 
 # ----------------------------------------------------------------------------------------------- 2 ranks, all-to-all

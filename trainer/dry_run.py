@@ -15,6 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.tensor import DTensor
 
 from parallelisms.mesh import build_meshes
@@ -64,6 +65,7 @@ def inspect_rank(cfg, world_size: int, rank: int) -> dict:
         named = [(k, t) for part in parts for k, t in part.state_dict(keep_vars=True).items()
                  if isinstance(t, torch.nn.Parameter)]
         numel = sum(_local_numel(p) for _, p in named)
+        checkpointed = sum(isinstance(m, CheckpointWrapper) for part in parts for m in part.modules())
         return {
             "rank": rank,
             "coords": dict(zip(meshes.world.mesh_dim_names, meshes.world.get_coordinate())),
@@ -74,6 +76,8 @@ def inspect_rank(cfg, world_size: int, rank: int) -> dict:
             "optimizer_bytes": 8 * numel,
             "total_bytes": 16 * numel,
             "shardings": _shardings(named),
+            # the wrappers apply_ac built: the dry run shows AC as the run would apply it, not only as configured
+            "checkpointed_blocks": checkpointed,
         }
     finally:
         dist.destroy_process_group()
@@ -113,6 +117,8 @@ def print_report(rows: list[dict], world_size: int, cfg) -> None:
         print(f"    params {r['params'] / 1e9:.3f}B: weights {r['param_bytes'] / gib:.2f} GiB + grads "
               f"{r['grad_bytes'] / gib:.2f} GiB + AdamW {r['optimizer_bytes'] / gib:.2f} GiB = "
               f"{r['total_bytes'] / gib:.2f} GiB (fp32, before activations)")
+        print(f"    activation checkpointing {cfg.activation_checkpoint.mode}: {r['checkpointed_blocks']} blocks "
+              "checkpointed")
         for entry in r["shardings"]:
             print(f"    {entry['sharding']}: {entry['params']} parameters, e.g. {entry['example']} local "
                   f"{tuple(entry['local_shape'])}")

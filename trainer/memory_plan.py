@@ -197,12 +197,14 @@ def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
         activations += saved_copies
         notes.append("bf16 without FSDP: autocast weight copies counted as activations (blocks without AC, head)")
 
-    # FSDP: during a unit's backward its parameters are gathered again, its unsharded gradients and their
-    # reduce-scatter copy exist, and the next unit is prefetched: about 4 units; forward holds 2 (prefetch)
+    # FSDP, 3 units of the block in backward: while its backward runs, its parameters gathered again, the
+    # previous unit prefetched and its unsharded gradients filling up; the reduce-scatter's copy of those
+    # gradients comes after the block's backward, when its parameters and working set are freed. Forward holds 2
+    # (prefetch).
     fsdp = dims.dp_enabled and shard > 1
     largest_unit = max([b["unit"] for b in blocks] + ([stage.head_unit_bytes] if last else []) +
                        ([stage.embedding_unit_bytes] if first else []))
-    fsdp_factor = 4 if fsdp else 0
+    fsdp_factor = 3 if fsdp else 0
     last_block_unit = blocks[-1]["unit"] if blocks else 0
     fsdp_loss = (3 * stage.head_unit_bytes + last_block_unit) if fsdp and last else 0
 
