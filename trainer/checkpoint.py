@@ -271,9 +271,13 @@ class CheckpointManager:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"cannot load checkpoint {path}: {first[:300]}") from None
 
+    def due(self, step: int, last: bool) -> bool:
+        """Whether `maybe_save` saves at `step`."""
+        return self.cfg.enable and (last or step % self.cfg.interval == 0)
+
     def maybe_save(self, step: int, last: bool) -> None:
         """Save at every `interval` steps and at the last step (model only if `last_save_model_only`)."""
-        if not self.cfg.enable or not (last or step % self.cfg.interval == 0):
+        if not self.due(step, last):
             return
         states = self.states
         if last and self.cfg.last_save_model_only:
@@ -291,21 +295,20 @@ class CheckpointManager:
         self.finish()
         final = os.path.join(self.folder, f"step-{step}")
         tmp = final + ".tmp"
-        if self.rank == 0:
+
+        def prepare_folder():
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(self.folder, exist_ok=True)
-        self._barrier()
+
+        self._on_rank_0(prepare_folder, tmp)
         try:
             if background:
                 self._pending = (dcp.async_save(states, checkpoint_id=tmp), tmp, final)
                 return final
             dcp.save(states, checkpoint_id=tmp)
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-            self._abandon(tmp, e)
-        if marker is not None and self.rank == 0:
-            with open(os.path.join(tmp, PREEMPTED_MARKER), "w") as f:
-                json.dump(marker, f)
-        self._publish(tmp, final)
+            self._abandon(tmp, _first_failure(e))
+        self._publish(tmp, final, marker)
         return final
 
     def finish(self) -> None:
@@ -317,34 +320,65 @@ class CheckpointManager:
         try:
             future.result()
         except (Exception, CheckpointException) as e:
-            self._abandon(tmp, e)
+            self._abandon(tmp, _first_failure(e))
         self._publish(tmp, final)
 
-    def _abandon(self, tmp: str, error: Exception) -> None:
+    def _abandon(self, tmp: str, failure: str) -> None:
         """A save failed (on this rank or, as DCP reports to every rank, on another): remove its partial folder,
         which resume never picks anyway, and end the run with one line; the previous checkpoint stays the latest."""
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointSaveError(f"saving {tmp} failed: {_first_failure(error)}; the previous checkpoint stays the "
-                                  f"latest ({_latest_name(self.folder)})") from None
+        raise CheckpointSaveError(f"saving {tmp} failed: {failure}; the previous checkpoint stays the latest "
+                                  f"({_latest_name(self.folder)})") from None
 
-    def _publish(self, tmp: str, final: str) -> None:
-        self._barrier()  # every rank's files are written
+    def _on_rank_0(self, work, tmp: str) -> None:
+        """Run `work` (file operations of a save) on rank 0, and tell every rank whether it failed: an OSError (a
+        full disk, a lost mount, no permission) ends the save on every rank as a failed DCP save does."""
+        failure = None
         if self.rank == 0:
+            try:
+                work()
+            except OSError as e:
+                failure = f"rank 0: {type(e).__name__}: {' '.join(str(e).split())}"
+        if dist.is_initialized():
+            shared = [failure]
+            dist.broadcast_object_list(shared, src=0)  # also the barrier the save needs here
+            failure = shared[0]
+        if failure is not None:
+            self._abandon(tmp, failure)
+
+    def _publish(self, tmp: str, final: str, marker: dict | None = None) -> None:
+        self._barrier()  # every rank's files are written
+
+        def publish():
+            if marker is not None:
+                with open(os.path.join(tmp, PREEMPTED_MARKER), "w") as f:
+                    json.dump(marker, f)
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)  # atomic: a resume sees the whole checkpoint or none of it
-            self._purge()
+            self._purge(final)
+
+        self._on_rank_0(publish, tmp)
+        if self.rank == 0:
             logger.info("checkpoint saved: %s", final)
         self.last_published = final
-        self._barrier()
 
-    def _purge(self) -> None:
-        """Keep the newest `keep_latest_k` checkpoints; runs only after a new checkpoint was published, so the newest
-        intact one is never removed."""
+    def _purge(self, published: str) -> None:
+        """Keep the newest `keep_latest_k` intact checkpoints up to the one just `published` (which counts as one):
+        older ones go, damaged ones included; damaged ones newer than it stay (a resume skipped them, and this run
+        replaces them when it saves their step). Runs only after a checkpoint was published, so the newest intact
+        one is never removed before its successor exists."""
         k = self.cfg.keep_latest_k
-        if k > 0:
-            for step in list_checkpoints(self.folder)[:-k]:
-                shutil.rmtree(os.path.join(self.folder, f"step-{step}"), ignore_errors=True)
+        if k == 0:
+            return
+        newest = int(os.path.basename(published).removeprefix("step-"))
+        kept = 1
+        for step in reversed([s for s in list_checkpoints(self.folder) if s < newest]):
+            path = os.path.join(self.folder, f"step-{step}")
+            if kept < k and checkpoint_damage(path) is None:
+                kept += 1
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _first_failure(error: Exception) -> str:

@@ -11,12 +11,19 @@ launcher exits with the failing rank's code:
     run failed on rank 0: exit code 1 without a message (its traceback is above)
 
 SIGTERM and SIGUSR1 reaching the launcher (the process a scheduler signals) are passed on to every rank, which
-saves a checkpoint and exits 0 (trainer/preemption.py); the launcher then prints the line of rank 0 and exits with
-75 (`EXIT_PREEMPTED`): requeue and run the same command.
+saves a checkpoint and exits 0 (trainer/preemption.py); every rank leaves its preemption line in the launcher's
+folder (`LAUNCH_DIR_ENV`, one per launcher, so one per node), and the launcher prints the line of its lowest rank
+and exits with 75 (`EXIT_PREEMPTED`): requeue and run the same command. A second SIGTERM kills the ranks at once
+(SIGKILL: a rank blocked in a C call or holding the interpreter cannot act on a signal) and ends with 143.
 
-Exit codes (docs/errors.md): 0 done, 75 preempted with a checkpoint saved, 1 training error (non-finite loss with `training.on_nonfinite = "stop"`, a
-memory leak with `memory.fail_on_leak`) or an unexpected error, 2 bad input found after launch (data, checkpoint,
-config), 130 interrupted, 128 + N a rank killed by signal N.
+A hung rank (trainer/watchdog.py): the rank that reports it leaves a `hung` marker in the same folder; the launcher
+then kills every process it started, and theirs, at once with SIGKILL instead of torchrun's SIGTERM and 30 s wait
+(a stopped or stuck rank never ends by itself, and nothing is to be saved), and ends with that rank's line.
+
+Exit codes (docs/errors.md): 0 done, 75 preempted with a checkpoint saved, 1 training error (non-finite loss with
+`training.on_nonfinite = "stop"`, a memory leak with `memory.fail_on_leak`, a hung rank) or an unexpected error, 2
+bad input found after launch (data, checkpoint, config), 130 interrupted, 143 a second SIGTERM, 128 + N a rank
+killed by signal N.
 
 The failing rank's line comes from the error file torchrun gives each rank (`TORCHELASTIC_ERROR_FILE`), which
 `trainer.train.main` writes for the errors it reports in one line (`write_error_line`). When several ranks fail,
@@ -32,11 +39,23 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 
-from trainer.preemption import EXIT_PREEMPTED, STOP_FILE_ENV
+__all__ = ["EXIT_PREEMPTED", "EXIT_SECOND_SIGTERM", "HUNG_MARKER", "LAUNCH_DIR_ENV", "PREEMPTED_PREFIX",
+           "leave_marker", "main", "write_error_line"]
 
-__all__ = ["main", "write_error_line"]
+EXIT_PREEMPTED = 75
+"""Exit code of `trainer.launch` after a preemption checkpoint (EX_TEMPFAIL: requeue and run the same command)."""
+EXIT_SECOND_SIGTERM = 128 + signal.SIGTERM
+"""Exit code of a rank, and of `trainer.launch`, after a second SIGTERM: no checkpoint was waited for."""
+LAUNCH_DIR_ENV = "TRAINER_LAUNCH_DIR"
+"""Environment variable the launcher sets for its ranks: a folder of its own where they leave markers for it."""
+PREEMPTED_PREFIX = "preempted-"
+"""Marker of a rank that ended on a preemption, `preempted-<rank>`: its line (every rank leaves one, so that every
+node's launcher exits 75)."""
+HUNG_MARKER = "hung"
+"""Marker of a hung job: `{"rank": R, "line": ...}`, the rank that reported it and its line (trainer/watchdog.py)."""
 
 
 def write_error_line(line: str) -> None:
@@ -49,6 +68,21 @@ def write_error_line(line: str) -> None:
             json.dump({"message": line, "timestamp": int(time.time())}, f)
     except OSError:
         pass  # the line was printed already; the launcher then names the exit code only
+
+
+def leave_marker(name: str, text: str) -> None:
+    """Leave `text` under `name` in the launcher's folder (written whole, then renamed: the launcher polls it);
+    nothing when the process was not started by `trainer.launch`."""
+    folder = os.environ.get(LAUNCH_DIR_ENV)
+    if not folder:
+        return
+    path = os.path.join(folder, name)
+    try:
+        with open(path + ".part", "w") as f:
+            f.write(text)
+        os.rename(path + ".part", path)
+    except OSError:
+        pass  # the launcher is gone (its folder with it): the job is ending anyway
 
 
 class _DropReplacedRecords(logging.Filter):
@@ -85,27 +119,100 @@ def _failure_line(error) -> tuple[str, int]:
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 
 
-def _children() -> list[int]:
-    """PIDs of this process's children (the ranks torchrun started), from /proc."""
-    me, found = os.getpid(), []
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process, from /proc."""
+    found = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me:
-                found.append(int(entry))
+                    found[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # ended meanwhile
     return found
 
 
-def _forward(signum: int, frame) -> None:
-    for pid in _children():
+def _children() -> list[int]:
+    """PIDs of this process's children (the ranks torchrun started)."""
+    me = os.getpid()
+    return [pid for pid, parent in _parents().items() if parent == me]
+
+
+def _descendants() -> list[int]:
+    """PIDs of every process below this one: the ranks and whatever they started (compile workers...)."""
+    parents, found, frontier = _parents(), [], [os.getpid()]
+    while frontier:
+        below = [pid for pid, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
+
+
+class _Watch:
+    """The launcher's side of a run: passes preemption signals on, kills the ranks at a second SIGTERM or when a
+    rank reports a hang (it polls the `hung` marker from a thread of its own), and says how the run ended."""
+
+    POLL_S = 0.2
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.terms = 0
+        self.hung: dict | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="launch-watch", daemon=True)
+        self._thread.start()
+
+    def on_signal(self, signum: int, frame) -> None:
+        if signum == signal.SIGTERM:
+            self.terms += 1
+            if self.terms > 1:  # the scheduler will not wait: nothing is saved, nothing is left running
+                _signal_all(_descendants(), signal.SIGKILL)
+                return
+        _signal_all(_children(), signum)
+
+    def _poll(self) -> None:
+        marker = os.path.join(self.folder, HUNG_MARKER)
+        while not self._done.wait(self.POLL_S):
+            if not os.path.isfile(marker):
+                continue
+            # a rank reported a hang: a stopped or stuck rank would hold torchrun's teardown for 30 s
+            _signal_all(_descendants(), signal.SIGKILL)
+            try:
+                with open(marker) as f:
+                    self.hung = json.load(f)
+                os.remove(marker)
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=2 * self.POLL_S)
+
+    def failure_line(self, error) -> tuple[str, int]:
+        """The last line and exit code of a failed run (torchrun's `ChildFailedError`)."""
+        if self.terms > 1:
+            return ("run ended by a second SIGTERM: the ranks were killed at once, without a checkpoint (the last "
+                    "published checkpoint stays the latest)"), EXIT_SECOND_SIGTERM
+        if self.hung is not None:
+            return f"run failed on rank {self.hung['rank']}: {self.hung['line']}", 1
+        return _failure_line(error)
+
+    def preempted_line(self) -> str | None:
+        """The preemption line of the lowest rank of this node that left one, or None."""
+        ranks = [int(name[len(PREEMPTED_PREFIX):]) for name in os.listdir(self.folder)
+                 if name.startswith(PREEMPTED_PREFIX) and name[len(PREEMPTED_PREFIX):].isdigit()]
+        if not ranks:
+            return None
+        with open(os.path.join(self.folder, f"{PREEMPTED_PREFIX}{min(ranks)}")) as f:
+            return f.read().strip()
 
 
 def main(argv: list[str]) -> int:
@@ -117,28 +224,31 @@ def main(argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropReplacedRecords())
     # Preemption: torchrun's agent would answer SIGTERM by stopping the ranks and killing them 30 s later; the ranks
     # need their grace period to save, so the launcher passes the signal on and waits for them. After a failure the
-    # agent still stops the others, and kills a rank that does not stop within 30 s (a stopped or hung one).
+    # agent still stops the others, and kills a rank that does not stop within 30 s.
     handled = "SIGINT,SIGHUP,SIGQUIT"
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled  # read by torchrun versions without the option
     args = parse_args(argv)
     if hasattr(args, "signals_to_handle"):
         args.signals_to_handle = handled
-    for sig in FORWARDED:
-        signal.signal(sig, _forward)
-    with tempfile.TemporaryDirectory(prefix="trainer-launch-") as tmp:
-        stop_file = os.environ[STOP_FILE_ENV] = os.path.join(tmp, "preempted")
+    with tempfile.TemporaryDirectory(prefix="trainer-launch-") as folder:
+        os.environ[LAUNCH_DIR_ENV] = folder
+        watch = _Watch(folder)
+        for sig in FORWARDED:
+            signal.signal(sig, watch.on_signal)
         try:
             run(args)
         except ChildFailedError as e:
-            line, code = _failure_line(e)
+            line, code = watch.failure_line(e)
             sys.stdout.flush()
             print(line, file=sys.stderr, flush=True)
             return code
         except KeyboardInterrupt:
             return 130
-        if os.path.isfile(stop_file):
-            with open(stop_file) as f:
-                print(f.read().strip(), file=sys.stderr, flush=True)
+        finally:
+            watch.close()
+        line = watch.preempted_line()
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
             return EXIT_PREEMPTED
     return 0
 

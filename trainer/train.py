@@ -12,6 +12,13 @@ Order of work (nothing model-specific here; the model comes from the registry):
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # A rank's process: preemption signals are recorded from here on, not only once the imports below (seconds) are
+    # done; `_main` narrows them to checkpoint.preemption_signals once the config is read.
+    from trainer.preemption import DEFAULT_SIGNALS, listen, parse_signals
+
+    listen(parse_signals(DEFAULT_SIGNALS))
+
 import contextlib
 import dataclasses
 import logging
@@ -38,12 +45,12 @@ from trainer.job_config import JobConfig, load_config, validate_job
 from trainer.data import DatasetError, build_dataloader, has_documents
 from trainer.loss import ScaledLoss, count_valid_tokens
 from trainer.lr_schedule import build_lr_scheduler
-from trainer.launch import write_error_line
+from trainer.launch import PREEMPTED_PREFIX, leave_marker, write_error_line
 from trainer.leak_detector import LeakDetector, MemoryLeakError
 from trainer.memory import MemoryMonitor, MemorySnapshots, MemoryStats
 from trainer.metrics import MetricLogger, init_logging, new_run_dir
 from trainer.optimizer import build_optimizer
-from trainer.preemption import STOP_FILE_ENV, PreemptedError, Preemption, parse_signals
+from trainer.preemption import PreemptedError, Preemption, Stop, listen, parse_signals
 from trainer.registry import available_models, get_model_spec
 from trainer.tokenizer import build_tokenizer
 from trainer.watchdog import COLLECTIVE_MARGIN_S, Heartbeat, set_process_group_timeouts
@@ -295,6 +302,8 @@ class Trainer:
         # a gloo group of its own: the flag is a CPU tensor, and polling it never waits for a device
         flag_group = dist.new_group(backend="gloo") if signals and dist.is_initialized() else None
         self.preemption = Preemption(signals, flag_group)
+        self.preempted: Stop | None = None
+        """How a preemption ended this run (set when the ranks agreed to stop)."""
         self.heartbeat = None
         if dist.is_initialized() and self.dims.world_size > 1 and devices.store() is not None:
             self.heartbeat = Heartbeat(devices.store(), self.rank, self.dims.world_size,
@@ -342,26 +351,24 @@ class Trainer:
             self.heartbeat.timeout, self.heartbeat.timeout_key = seconds, "comm.train_timeout_seconds"
 
     def _stop_for_preemption(self, step: int) -> None:
-        """The ranks agreed on a preemption signal: save the state after `step` (unless it is saved already) and
-        leave the loop; the process then ends with exit code 0 (trainer/preemption.py)."""
-        signal_name = self.preemption.received.name if self.preemption.received is not None else "a signal"
+        """The ranks agreed on a preemption signal: save the state after `step` (nothing when no step of this run
+        finished: it is saved already) and record it in `preempted`; the caller leaves the loop, `run` reports it and
+        the process ends with exit code 0 (trainer/preemption.py)."""
         if step <= self.start_step:
-            line = f"preempted by {signal_name} before step {step + 1} finished: nothing new to save"
-        else:
-            t0 = time.perf_counter()
-            if not self.cfg.checkpoint.enable and self.rank == 0:
-                logger.info("checkpoint.enable is false: the preemption checkpoint goes to %s, which the same "
-                            "command resumes from", self.checkpoint.folder)
-            path = self.checkpoint.save_now(step, marker={"step": step, "signal": signal_name})
-            line = (f"preempted by {signal_name}: checkpoint of step {step} saved to {path} in "
-                    f"{time.perf_counter() - t0:.1f} s, {self.preemption.seconds_since_signal():.1f} s after the "
-                    "signal; the same command resumes from it")
-        if self.rank == 0:
-            logger.warning(line)
-            stop_file = os.environ.get(STOP_FILE_ENV)
-            if stop_file:
-                with open(stop_file, "w") as f:
-                    f.write(line)
+            self.preempted = self.preemption.stop(step)
+            return
+        self._advance("preemption checkpoint save")
+        t0 = time.perf_counter()
+        if not self.cfg.checkpoint.enable and self.rank == 0:
+            logger.info("checkpoint.enable is false: the preemption checkpoint goes to %s, which the same command "
+                        "resumes from", self.checkpoint.folder)
+        path = self.checkpoint.save_now(step, marker={"step": step, "signal": self.preemption.received.name})
+        self.preempted = self.preemption.stop(step, path, time.perf_counter() - t0)
+
+    def _advance(self, point: str, step: int | None = None) -> None:
+        """This rank reached `point` of the loop: its heartbeat's position moves on (trainer/watchdog.py)."""
+        if self.heartbeat is not None:
+            self.heartbeat.advance(point, step)
 
     def _load_hf_weights(self, path: str) -> None:
         """Initial weights from a HF checkpoint directory, read in full on every rank, then sharded."""
@@ -386,7 +393,10 @@ class Trainer:
         model = self.model_parts[0]
         if self.schedule is not None:
             self.pp_loss.scale = 1.0 / global_tokens
+        count = -(-inputs.shape[0] // lbs)
         for start in range(0, inputs.shape[0], lbs):
+            self._advance("the pipeline schedule (forward/backward of every microbatch)" if self.schedule is not None
+                          else f"forward/backward of microbatch {start // lbs + 1}/{count}")
             x = inputs[start:start + lbs].to(self.device)
             y = labels[start:start + lbs].to(self.device)
             if self.schedule is not None:
@@ -412,6 +422,7 @@ class Trainer:
         cfg = self.cfg
         position = self.train_loader.state_dict() if self.preemption.signals else None
         inputs, labels = self.train_loader.next_batch()
+        self._advance("counting the batch's tokens")
         global_tokens = self._all_reduce_sum(count_valid_tokens(labels).to(self.device)).item()
         self.spec.before_step(self.model_parts, global_tokens)
 
@@ -422,6 +433,7 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
             self.train_loader.load_state_dict(position)
             raise
+        self._advance("gradient clipping and optimizer step")
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, self.pp_group)
         loss = self._all_reduce_sum(loss_sum, with_pp=True).item() / global_tokens
@@ -460,6 +472,7 @@ class Trainer:
             for index in range(self.cfg.validation.steps):
                 if index and self.preemption.requested():
                     raise PreemptedError
+                self._advance(f"validation batch {index + 1}/{self.cfg.validation.steps}")
                 inputs, labels = self.val_loader.next_batch()
                 tokens += count_valid_tokens(labels).to(self.device)
                 for start in range(0, inputs.shape[0], lbs):
@@ -485,10 +498,13 @@ class Trainer:
         cfg = self.cfg
         losses = []
         summary = _RunSummary(time.perf_counter())
+        steps = range(self.start_step + 1, cfg.training.steps + 1)
+        if self.preemption.requested():  # a signal during start-up, config or checkpoint load
+            self._stop_for_preemption(self.start_step)
+            steps = range(0)
         with self.memory, self.snapshots:
-            for step in range(self.start_step + 1, cfg.training.steps + 1):
-                if self.heartbeat is not None:
-                    self.heartbeat.step = step
+            for step in steps:
+                self._advance("reading its batch", step)
                 t0 = time.perf_counter()
                 try:
                     with _data_errors_at(cfg, step, self.rank, validation=False):
@@ -497,6 +513,7 @@ class Trainer:
                     self._stop_for_preemption(step - 1)
                     break
                 elapsed = time.perf_counter() - t0
+                self._advance("metrics and logging")
                 mem = self.memory.step_end()
                 self.snapshots.step_end(step)
                 losses.append(scalars["loss"])
@@ -530,14 +547,18 @@ class Trainer:
                                          rss_GiB=_gib(mem.rss_bytes))
                 # after the step is logged: the alarm's step and slope are in tensorboard when the run stops
                 self.leak_detector.check()
-                self.checkpoint.maybe_save(step, last=step == cfg.training.steps)
+                if self.checkpoint.due(step, last=step == cfg.training.steps):
+                    self._advance("checkpoint save")
+                    self.checkpoint.maybe_save(step, last=step == cfg.training.steps)
                 if step == self.start_step + cfg.comm.init_timeout_steps and dist.is_initialized():
                     self._enter_train_timeout()
+                self._advance("the end of step (preemption poll)")
                 if stop or self.preemption.requested():
                     self._stop_for_preemption(step)
                     break
         self.checkpoint.finish()  # the summary names the last checkpoint: an async save must be published first
-        self._log_summary(summary)
+        if summary.steps or self.preempted is None:  # preempted before its first step: its line says it all
+            self._log_summary(summary)
         return losses
 
     def _log_summary(self, summary: _RunSummary) -> None:
@@ -601,16 +622,29 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
     trainer = None
     try:
         trainer = Trainer(prep, device)
-        return trainer.train(history)
+        losses = trainer.train(history)
     finally:
         if trainer is not None:
             trainer.close()
         if shutdown:
             devices.shutdown_distributed()
+    if trainer.preempted is not None:
+        _report_preemption(trainer.preempted, trainer.rank)
+    return losses
+
+
+def _report_preemption(stop: Stop, rank: int) -> None:
+    """The line of a preemption, as the last thing before the exit (it gives the time from the signal to the exit):
+    logged by rank 0 and left by every rank for its node's launcher, which then exits 75."""
+    line = stop.line()
+    if rank == 0:
+        logger.warning(line)
+    leave_marker(f"{PREEMPTED_PREFIX}{rank}", line)
 
 
 def _main(argv: list[str]) -> None:
     cfg = load_config(argv)
+    listen(parse_signals(cfg.checkpoint.preemption_signals))  # main() listened to the default signals
     if cfg.job.print_config:
         # the checks of a launch first: an invalid config is reported as such, not printed
         rank = int(os.environ.get("RANK", 0))

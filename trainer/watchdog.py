@@ -1,21 +1,37 @@
-"""Hung ranks: a heartbeat per rank in the store every rank already joins, watched by rank 0.
+"""Hung ranks: a heartbeat per rank that carries its progress, in the store every rank already joins, watched by
+two ranks per node.
 
-Every rank runs a daemon thread that writes `<step> <time>` under `heartbeat/<rank>` once a second (the step it is
-in). A rank that is stopped (SIGSTOP, a frozen node) or stuck holding the interpreter stops writing; a rank that
-only waits in a collective for such a peer keeps writing (collectives release the interpreter). Rank 0's watchdog
-thread reads every heartbeat once a second; when one is older than the timeout of the phase (the init timeout until
-the first steps are done, the train timeout after), it prints one line naming the silent rank(s) and their step,
-leaves it for `trainer.launch`, and ends its process with exit code 1. torchrun then stops the other ranks (SIGTERM,
-then SIGKILL 30 s later for a rank that does not stop, as a stopped one): no process of the job is left, and the
-last published checkpoint is untouched (a save in flight never publishes).
+Progress. The loop calls `Heartbeat.advance` at points of a step (its start, after its batch is read, before each
+microbatch's forward and backward, before the optimizer, at the step's end, before each validation batch, before
+a checkpoint save): the rank's position is the number of points it passed, with the step and the point's name for
+the line. Every rank passes the same points in the same order, so positions compare across ranks.
 
-The process-group timeout (`[comm]`, plus `COLLECTIVE_MARGIN_S` after the first steps) is the backstop for a hang
-the heartbeat cannot see (a collective that never completes while every rank is alive): the collective then raises
-on every rank.
+Liveness. Every rank runs a daemon thread that writes `<beat> <position> <step> <watches> <point>` under
+`heartbeat/<rank>` once a second; `beat` counts the writes. A rank that is stopped (SIGSTOP, a frozen node) or
+holds the interpreter stops beating. A rank blocked in a call that releases the interpreter (a hung file system
+read, a device sync, a collective) keeps beating but no longer advances.
+
+Watching. The ranks with local rank 0 and 1 (two per node: a stopped rank 0 is seen by rank 1) read every heartbeat
+once a second and note, on their own clock, when each rank last beat and last advanced. When a rank has not beaten
+for longer than the timeout of the phase (the init timeout until the first steps are done, the train timeout
+after), it is named as silent; a rank that never wrote a heartbeat counts as silent since the watcher started. When
+no rank advanced for longer than the timeout, the ranks at the lowest position are named as behind; when every rank
+is at the same position, the line says that no rank advanced and where they all are.
+
+Ending. The lowest watching rank that is not named reports (another watcher takes over when that one has not done
+so three periods later): one line on its stderr and in its torchrun error file, the line under `hung` in the store
+(the watchers of other nodes leave it for their own launcher), and the `hung` marker for `trainer.launch`, which
+kills every process of the job on its node at once with SIGKILL (nothing is to be saved, and a stopped rank would
+hold torchrun's teardown for 30 s); then exit code 1. The last published checkpoint is untouched (a save in flight
+never publishes).
+
+The process-group timeout (`[comm]`, plus `COLLECTIVE_MARGIN_S` after the first steps) is the backstop when every
+watcher is hung too: a collective then raises on the ranks still running.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -27,14 +43,18 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from trainer.config import option
+from trainer.launch import HUNG_MARKER, leave_marker, write_error_line
 
 __all__ = ["COLLECTIVE_MARGIN_S", "CommSection", "Heartbeat", "set_process_group_timeouts"]
 
 logger = logging.getLogger("trainer")
 
 COLLECTIVE_MARGIN_S = 15
-"""Collectives time out this much later than a silent heartbeat counts as a hang, so that the watchdog's line, which
-names the rank, comes first; a collective's own timeout names nobody."""
+"""Collectives time out this much later than a rank counts as hung, so that the watchdog's line, which names the
+rank, comes first; a collective's own timeout names nobody."""
+
+_HUNG_KEY = "heartbeat/hung"  # the reporting watcher's line, for the watchers of the other nodes
+_DONE = "done"  # the point name of a rank that closed its heartbeat: it is no longer watched
 
 
 @dataclass
@@ -43,10 +63,11 @@ class CommSection:
 
     init_timeout_seconds: int = option(300, ge=1)
     """Timeout of process-group creation and of every collective until the first `init_timeout_steps` steps are
-    done (the first compile and warm-up run there)."""
+    done (the first compile and warm-up run there); also how long a rank may be silent or no rank advance then."""
     train_timeout_seconds: int = option(100, ge=1)
-    """How long rank 0 waits for a silent rank's heartbeat after the first steps before ending the job with a line
-    naming it; collectives time out 15 s later."""
+    """After the first steps: how long a rank may be silent (no heartbeat) or no rank advance (a step's part, a
+    validation batch, a checkpoint save) before the job ends with a line naming the rank(s); collectives time out
+    15 s later."""
     init_timeout_steps: int = option(1, ge=0)
     """Steps that run under the init timeout."""
 
@@ -60,31 +81,61 @@ def set_process_group_timeouts(seconds: float) -> None:
         c10d._set_pg_timeout(timeout, group)
 
 
-class Heartbeat:
-    """This rank's heartbeat thread and, on rank 0, the watchdog (see the module docstring).
+@dataclass
+class _Seen:
+    """What a watcher knows of one rank: its last heartbeat and, on the watcher's clock, when it last beat and last
+    advanced."""
 
-    `step` is the step the rank is in, set by the loop; `timeout` the silence after which a rank counts as hung
-    and `timeout_key` the setting it comes from (the loop moves both from the init to the train timeout).
+    beat: int = -1
+    position: int = -1
+    step: int = 0
+    point: str = "before its first heartbeat"
+    watches: bool = False
+    beat_at: float = 0.0
+    advanced_at: float = 0.0
+    done: bool = False
+
+
+class Heartbeat:
+    """This rank's heartbeat thread and, on two ranks per node, the watchdog (see the module docstring).
+
+    `timeout` is how long a rank may be silent or no rank advance, `timeout_key` the setting it comes from (the
+    loop moves both from the init to the train timeout). `on_hung(line)` ends the job (default: `_end_job`).
     """
 
     PERIOD = 1.0
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float, on_hung=None) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float, local_rank: int | None = None,
+                 on_hung=None) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout = timeout
         self.timeout_key = "comm.init_timeout_seconds"
-        self.step = 0
-        self.on_hung = on_hung or _end_job
+        local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
+        self.watches = local_rank < 2
+        self.on_hung = on_hung or self._end_job
+        self._at = (0, 0, "starting")  # (position, step, point): one tuple, so the beat thread reads it whole
+        self._beats = 0
         self._stop = threading.Event()
         self._beat()
         self._threads = [threading.Thread(target=self._beat_loop, name="heartbeat", daemon=True)]
-        if rank == 0:
+        if self.watches:
             self._threads.append(threading.Thread(target=self._watch_loop, name="watchdog", daemon=True))
         for thread in self._threads:
             thread.start()
 
-    def _beat(self) -> None:
-        self.store.set(f"heartbeat/{self.rank}", f"{self.step} {time.time():.3f}")
+    @property
+    def step(self) -> int:
+        return self._at[1]
+
+    def advance(self, point: str, step: int | None = None) -> None:
+        """This rank reached `point` of the loop (in `step`, or the current step): its position moves on by one."""
+        position, current, _ = self._at
+        self._at = (position + 1, current if step is None else step, point)
+
+    def _beat(self, point: str | None = None) -> None:
+        position, step, at = self._at
+        self._beats += 1
+        self.store.set(f"heartbeat/{self.rank}", f"{self._beats} {position} {step} {int(self.watches)} {point or at}")
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(self.PERIOD):
@@ -93,45 +144,111 @@ class Heartbeat:
             except Exception:  # the store is gone: the job is ending
                 return
 
-    def silent_ranks(self, now: float | None = None) -> list[tuple[int, int, float]]:
-        """(rank, step, seconds since its last heartbeat) of every rank silent longer than the timeout."""
-        now = time.time() if now is None else now
+    def _read(self) -> list[str | None]:
+        """Every rank's heartbeat, None for a rank that has not written one (`multi_get` would wait for it)."""
         keys = [f"heartbeat/{r}" for r in range(self.world_size)]
-        values = self.store.multi_get(keys)
-        silent = []
-        for rank, raw in enumerate(values):
-            step, stamp = raw.decode().split()
-            if now - float(stamp) > self.timeout:
-                silent.append((rank, int(step), now - float(stamp)))
-        return silent
+        if self.store.check(keys):
+            return [raw.decode() for raw in self.store.multi_get(keys)]
+        return [self.store.get(key).decode() if self.store.check([key]) else None for key in keys]
+
+    def observe(self, seen: list[_Seen], values: list[str | None], now: float) -> None:
+        """Update what the watcher knows from the heartbeats read at `now` (its monotonic clock)."""
+        for state, raw in zip(seen, values):
+            if raw is None:
+                continue
+            beat, position, step, watches, point = raw.split(" ", 4)
+            if int(beat) != state.beat:
+                state.beat, state.beat_at = int(beat), now
+            if int(position) != state.position:
+                state.position, state.advanced_at = int(position), now
+            state.step, state.watches, state.point = int(step), watches == "1", point
+            state.done = point == _DONE
+
+    def verdict(self, seen: list[_Seen], now: float) -> tuple[list[int], str] | None:
+        """(the ranks named, the line) when the job hangs, else None."""
+        watched = [r for r, s in enumerate(seen) if not s.done]
+        silent = [r for r in watched if now - seen[r].beat_at > self.timeout]
+        if silent:
+            ranks = ", ".join(f"rank {r} ({self._where(seen[r])}, silent {now - seen[r].beat_at:.0f} s)"
+                              for r in silent[:8])
+            more = f" and {len(silent) - 8} more" if len(silent) > 8 else ""
+            return silent, (f"training error: {ranks}{more} stopped making progress while rank {self.rank} is in "
+                            f"step {self.step}: no heartbeat for more than {self.timeout_key} = {self.timeout:g} s "
+                            "(stopped, frozen or holding the interpreter); ending the job")
+        if not watched or now - max(seen[r].advanced_at for r in watched) <= self.timeout:
+            return None
+        lowest = min(seen[r].position for r in watched)
+        behind = [r for r in watched if seen[r].position == lowest]
+        where = self._where(seen[behind[0]])
+        rule = f"no rank advanced for more than {self.timeout_key} = {self.timeout:g} s"
+        if len(behind) == len(watched):
+            return [], (f"training error: {rule}: all {len(watched)} ranks are {where} (a collective, the file "
+                        "system or a device hangs?); ending the job")
+        named = _rank_list(behind)
+        ahead = max((r for r in watched if r not in behind), key=lambda r: seen[r].position)
+        return behind, (f"training error: {named} stopped making progress {where} while rank {ahead} is "
+                        f"{self._where(seen[ahead])}: {rule} (alive but stuck in a call that does not return: a "
+                        "hung file system, device or peer); ending the job")
+
+    @staticmethod
+    def _where(state: _Seen) -> str:
+        if state.beat < 0:
+            return "before its first heartbeat"
+        return f"in step {state.step} ({state.point})"
 
     def _watch_loop(self) -> None:
+        start = time.monotonic()
+        seen = [_Seen(beat_at=start, advanced_at=start) for _ in range(self.world_size)]
+        hung_since = None
         while not self._stop.wait(self.PERIOD):
             try:
-                silent = self.silent_ranks()
-            except Exception:
+                values = self._read()
+                reported = self.store.get(_HUNG_KEY).decode() if self.store.check([_HUNG_KEY]) else None
+            except Exception:  # the store is gone: the job is ending
                 return
-            if silent:
-                self.on_hung(_hung_line(silent, self.step, self.timeout, self.timeout_key))
+            if reported is not None:  # a watcher elsewhere reported: this node's launcher ends its ranks too
+                reporter, line = reported.split(" ", 1)
+                leave_marker(HUNG_MARKER, json.dumps({"rank": int(reporter), "line": line}))
+                return
+            now = time.monotonic()
+            self.observe(seen, values, now)
+            found = self.verdict(seen, now)
+            if found is None:
+                hung_since = None
+                continue
+            named, line = found
+            hung_since = now if hung_since is None else hung_since
+            candidates = [r for r, s in enumerate(seen) if s.watches and r not in named]
+            if self.rank == min(candidates, default=self.rank) or now - hung_since > 3 * self.PERIOD:
+                self.on_hung(line)
                 return
 
+    def _end_job(self, line: str) -> None:
+        """Report a hang: the line on stderr, in the error file, in the store and for the launcher; exit 1."""
+        logging.shutdown()
+        print(line, flush=True, file=sys.stderr)
+        write_error_line(line)
+        try:
+            self.store.set(_HUNG_KEY, f"{self.rank} {line}")
+        except Exception:
+            pass  # the store is gone: this node's launcher still ends its ranks
+        leave_marker(HUNG_MARKER, json.dumps({"rank": self.rank, "line": line}))
+        os._exit(1)
+
     def close(self) -> None:
+        """Stop beating and watching; the last heartbeat says this rank is done, so no watcher waits for it."""
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2 * self.PERIOD)
+        try:
+            self._beat(_DONE)
+        except Exception:
+            pass  # the store is gone: the job is ending
 
 
-def _hung_line(silent: list[tuple[int, int, float]], step: int, timeout: float, key: str) -> str:
-    ranks = ", ".join(f"rank {rank} (in step {at}, silent {gap:.0f} s)" for rank, at, gap in silent)
-    return (f"training error: {ranks} stopped making progress while rank 0 is in step {step}: no heartbeat for "
-            f"more than {key} = {timeout:g} s (stopped, frozen or stuck); ending the job")
-
-
-def _end_job(line: str) -> None:
-    """Rank 0 gives up on a silent rank: its line, left for the launcher, then exit 1 (torchrun stops the rest)."""
-    from trainer.launch import write_error_line
-
-    logging.shutdown()
-    print(line, flush=True, file=sys.stderr)
-    write_error_line(line)
-    os._exit(1)
+def _rank_list(ranks: list[int]) -> str:
+    """`rank 1`, `ranks 1, 3` or `ranks 1, 3, 5, 7, 9, 11, 13, 15 and 4 more`."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    shown = ", ".join(str(r) for r in ranks[:8])
+    return f"ranks {shown}" + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
