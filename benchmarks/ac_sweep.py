@@ -22,7 +22,7 @@ Per row, measured on a fixed random batch with fixed weights:
   step_time_s, step_cpu_s      median wall time and process CPU time of forward + backward over the timed
                                rounds (untracked; rounds interleave the rows, see `run`)
   *_rel                        the same divided by the no-AC row (time_rel: wall, cpu_rel: CPU time)
-  recomputed_ops               ops dispatched in backward beyond the no-AC backward, by OP_TABLE name
+  recomputed_ops               ops dispatched in backward beyond the no-AC backward, by op-table name
                                ("other" = the rest); recomputed_total is their sum
 """
 
@@ -43,7 +43,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.deepseek_v3.parallelize import RECOMPUTE_MODULES, checkpoint_model  # noqa: E402
-from parallelisms.activation_checkpoint import OP_TABLE, ActivationCheckpointSection, OpCounter  # noqa: E402
+from parallelisms.activation_checkpoint.config import ActivationCheckpointSection  # noqa: E402
+from parallelisms.activation_checkpoint.policy import OpCounter  # noqa: E402
+from parallelisms.moe_comm.registry import op_table  # noqa: E402
 from trainer.job_config import JobConfig, load_config  # noqa: E402
 from trainer.registry import get_model_spec  # noqa: E402
 
@@ -68,11 +70,13 @@ def sweep_settings(base: ActivationCheckpointSection, dispatched: set[str]) -> l
         (f"selective_layer_every_{base.layer_freq}", dict(mode="selective", granularity="layer")),
         ("selective_op", dict(mode="selective", granularity="op")),
     ]
-    for op in base.save_ops:
+    table = op_table()
+    saved = table.save_ops(base.save_ops)
+    for op in saved:
         if op in dispatched:
             rows.append((f"save_ops-{op}", dict(mode="selective", granularity="op",
-                                                save_ops=[o for o in base.save_ops if o != op])))
-    for op in OP_TABLE:
+                                                save_ops=[o for o in saved if o != op])))
+    for op in table.ops:
         if op in dispatched:
             rows.append((f"save_ops=[{op}]", dict(mode="selective", granularity="op", save_ops=[op])))
     for name in RECOMPUTE_MODULES:
@@ -141,7 +145,7 @@ class _Bench:
                     backward_kinds=counter.kinds, tracked_times=(wall, cpu_time))
 
     def dispatched_kinds(self) -> set[str]:
-        """OP_TABLE names the blocks dispatch in a forward (only those get a toggle row)."""
+        """Op-table names the blocks dispatch in a forward (only those get a toggle row)."""
         model = self.model(ActivationCheckpointSection())
         counter = OpCounter()
         with counter, torch.no_grad():
@@ -162,7 +166,7 @@ def run(config_argv: Sequence[str], smoke: bool, warmup: int, timed: int, only: 
     bench = _Bench(cfg, smoke)
     base = cfg.activation_checkpoint
     dispatched = bench.dispatched_kinds()
-    skipped = [op for op in OP_TABLE if op not in dispatched]
+    skipped = [op for op in op_table().ops if op not in dispatched]
     print(f"ops never dispatched by this model (no toggle rows): {', '.join(skipped)}", file=sys.stderr)
     measured = []
     for name, overrides in sweep_settings(base, dispatched):

@@ -51,7 +51,7 @@ said otherwise:
   mfu_recipe          with an FP8 recipe (else null): tokens_per_s x (fp8_flops_per_token / FP8 peak + the other
                       FLOPs per token / peak_tflops) / 1e12, the share of a second that a second's tokens would take
                       at the measured peaks, their FP8 GEMMs at the float8_e4m3fn one; null if fp8_flops_per_token
-                      is. The emulation (blockwise linears and both recipes' grouped experts, `parallelisms/fp8.py`)
+                      is. The emulation (blockwise linears and both recipes' grouped experts, `quantization/fp8/`)
                       multiplies the dequantised operands in the compute dtype, on CUDA too: for it mfu says how far
                       the step is from what the emulation can run at, mfu_recipe how far from an FP8 machine's
                       limit. Only torchao's rowwise linears run `torch._scaled_mm` itself
@@ -118,7 +118,7 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (  # noqa: E402  (needs the repo root on sys.path)
     gpu_time_split, labelled, machine_info, measure_fp8_matmul_peak, measure_matmul_peak, synchronize)
-from trainer.config import run_with_config_errors  # noqa: E402
+from core.config import run_with_config_errors  # noqa: E402
 
 SMOKE_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
                 "--training.local_batch_size", "2", "--memory.track", "exact"]
@@ -264,7 +264,8 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
     import torch
     import torch.distributed as dist
     import trainer.train as train_module
-    from parallelisms.fp8 import fp8_flops_per_token
+    from quantization.fp8.accounting import fp8_flops_per_token
+    from quantization.fp8.config import fp8_selection
     from torch.profiler import ProfilerActivity, profile, record_function
     from trainer import device as devices
     from trainer.job_config import load_config
@@ -354,7 +355,8 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
     flops = trainer.flops_per_token
     model_tflops = tokens_per_s * flops / 1e12
     module_flops = trainer.spec.module_flops
-    fp8_flops = fp8_flops_per_token(cfg.fp8, module_flops(trainer.model_args)) if module_flops else None
+    selection = fp8_selection(cfg.fp8, trainer.spec.module_defaults)
+    fp8_flops = fp8_flops_per_token(selection, module_flops(trainer.model_args)) if module_flops else None
     mfu_recipe = None
     if cfg.fp8.recipe != "none" and fp8_flops is not None:
         mfu_recipe = tokens_per_s * (fp8_flops / gemm_peaks["float8_e4m3fn"] + (flops - fp8_flops) / peak) / 1e12

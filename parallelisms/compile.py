@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from parallelisms.torch_compat import torch_at_least
-from trainer.config import ConfigError, option
+from core.config import ConfigError, option
 
 
 @dataclass

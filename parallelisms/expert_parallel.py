@@ -8,14 +8,17 @@ change.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from core.token_dispatch import ExpertParallelLayer
 from parallelisms.moe_comm.registry import get_comm_backend
 
 
-def apply_expert_parallel(moe_layers: list[nn.Module], ep_mesh, backend: str, hidden_dim: int,
+def apply_expert_parallel(moe_layers: Iterable[ExpertParallelLayer], ep_mesh, backend: str, hidden_dim: int,
                           dtype: torch.dtype) -> None:
     """Shard the experts of every MoE layer over `ep_mesh` and install the `backend` dispatcher, set up for token
     rows of `hidden_dim` computed in `dtype` (comm buffers are created now, before any checkpointed forward)."""
@@ -23,8 +26,10 @@ def apply_expert_parallel(moe_layers: list[nn.Module], ep_mesh, backend: str, hi
     group = ep_mesh.get_group()
     for moe in moe_layers:
         experts = moe.experts
-        for name, param in list(experts.named_parameters(recurse=False)):
+        params = list(experts.named_parameters(recurse=False))
+        num_experts = params[0][1].shape[0]  # the expert dimension, before the split
+        for name, param in params:
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        moe.dispatcher = dispatcher_cls(group, experts.num_experts)
+        moe.dispatcher = dispatcher_cls(group, num_experts)
         moe.dispatcher.setup(hidden_dim, dtype)

@@ -8,7 +8,7 @@ left over for the expert weights.
 from dataclasses import dataclass
 
 from parallelisms.moe_comm.registry import COMM_BACKENDS
-from trainer.config import ConfigError, option
+from core.config import ConfigError, option
 
 _SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 _V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")

@@ -9,7 +9,7 @@ named modules, with the parameter names of the full model. Stage s of S runs on 
 schedules, and on rank s or 2*pp-1-s for V-shaped ones (ZBVZeroBubble, DualPipeV).
 
 The loss runs on the last stage only; schedules call it per microbatch, and the trainer hands over a loss already
-divided by the global number of tokens (`trainer.loss.ScaledLoss`), so gradients do not need the schedule's own
+divided by the global number of tokens (`core.loss.ScaledLoss`), so gradients do not need the schedule's own
 scaling (`scale_grads=False`).
 """
 

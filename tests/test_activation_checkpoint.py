@@ -21,9 +21,12 @@ from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.model import DeepSeekV3Model
 from models.deepseek_v3.moe import MoE
 from models.deepseek_v3.parallelize import RECOMPUTE_MODULES, checkpoint_model
-from parallelisms.activation_checkpoint import (OP_TABLE, ActivationCheckpointSection, OpCounter, OpRef,
-                                                ac_config_problem, apply_ac, op_kind, resolve_ops, save_ops_warning)
-from trainer.config import ConfigError
+from parallelisms.activation_checkpoint.config import (ActivationCheckpointSection, ac_config_problem,
+                                                       save_ops_warning)
+from parallelisms.activation_checkpoint.ops import OpRef
+from parallelisms.activation_checkpoint.policy import OpCounter, apply_ac
+from parallelisms.moe_comm.registry import op_table
+from core.config import ConfigError
 from trainer.job_config import JobConfig, validate_job
 
 TINY = ModelArgs(vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=3, n_dense_layers=1, n_heads=2,
@@ -54,7 +57,7 @@ def tokens() -> torch.Tensor:
 
 
 def step(model: nn.Module, inputs: torch.Tensor):
-    """(loss, grads by unwrapped FQN, ops of the backward by OP_TABLE name)."""
+    """(loss, grads by unwrapped FQN, ops of the backward by op-table name)."""
     loss = model(inputs).float().pow(2).mean()
     counter = OpCounter()
     with counter:
@@ -153,7 +156,7 @@ def test_force_recompute_module_overrides_save_ops(baseline):
 
 
 def test_toggling_an_op_changes_what_is_recomputed(baseline):
-    default = ActivationCheckpointSection().save_ops
+    default = op_table().save_ops(ActivationCheckpointSection().save_ops)
     without_mm = recomputed(run(ac(mode="selective", save_ops=[o for o in default if o != "mm"]))[2], baseline[2])
     assert without_mm["mm"] == 3 * 6 + 3 + N_MOE * 4
     with_softmax = recomputed(run(ac(mode="selective", save_ops=default + ["softmax"]))[2], baseline[2])
@@ -224,7 +227,7 @@ def held_after_forward(cfg) -> int:
 
 def test_bytes_held_after_forward_shrink_with_more_recompute():
     none, full = held_after_forward(ac()), held_after_forward(ac(mode="full"))
-    default = ActivationCheckpointSection().save_ops
+    default = op_table().save_ops(ActivationCheckpointSection().save_ops)
     selective = held_after_forward(ac(mode="selective"))
     without_grouped_mm = held_after_forward(ac(mode="selective", save_ops=[o for o in default if o != "grouped_mm"]))
     assert none > selective > without_grouped_mm > full
@@ -234,10 +237,10 @@ def test_bytes_held_after_forward_shrink_with_more_recompute():
 # ----------------------------------------------------------------------------------------------- names and errors
 
 def test_op_table_resolution():
-    assert {torch.ops.aten.mm.default, torch.ops.aten.bmm.default} <= set(resolve_ops("mm"))
-    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in resolve_ops("attention")
+    assert {torch.ops.aten.mm.default, torch.ops.aten.bmm.default} <= set(op_table().resolve("mm"))
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in op_table().resolve("attention")
     with pytest.raises(ValueError, match="valid names: mm, grouped_mm"):
-        resolve_ops("matmul")
+        op_table().resolve("matmul")
 
 
 def test_ops_of_a_library_loaded_later_resolve_then():
@@ -254,23 +257,23 @@ def test_op_kind_does_not_resolve_the_table_per_call(monkeypatch):
     resolved = []
     resolve = OpRef.resolve
     monkeypatch.setattr(OpRef, "resolve", lambda self: resolved.append(self.name) or resolve(self))
-    assert op_kind(torch.ops.aten.mm.default) == "mm"
-    assert op_kind(torch.ops.aten.add.Tensor) is None
+    assert op_table().kind(torch.ops.aten.mm.default) == "mm"
+    assert op_table().kind(torch.ops.aten.add.Tensor) is None
     assert resolved == []
 
 
 def test_d2h_copy_is_any_copy_into_host_memory():
     to_copy = torch.ops.aten._to_copy.default
     on_device = torch.empty(2, device="meta")  # any non-CPU tensor
-    assert op_kind(to_copy, (on_device,), {"device": torch.device("cpu")}) == "d2h_copy"
+    assert op_table().kind(to_copy, (on_device,), {"device": torch.device("cpu")}) == "d2h_copy"
     # an explicit copy of a CPU tensor into host memory (`host_list`) stands for the same sync on CPU
-    assert op_kind(to_copy, (torch.empty(2),), {"device": torch.device("cpu")}) == "d2h_copy"
-    assert op_kind(to_copy, (on_device,), {"dtype": torch.float16}) is None
-    assert op_kind(torch.ops.aten._local_scalar_dense.default, (on_device,), {}) == "d2h_copy"
+    assert op_table().kind(to_copy, (torch.empty(2),), {"device": torch.device("cpu")}) == "d2h_copy"
+    assert op_table().kind(to_copy, (on_device,), {"dtype": torch.float16}) is None
+    assert op_table().kind(torch.ops.aten._local_scalar_dense.default, (on_device,), {}) == "d2h_copy"
 
 
 def test_unknown_names_are_rejected():
-    with pytest.raises(ValueError, match="unknown op name 'matmul'.*allowed: mm, grouped_mm"):
+    with pytest.raises(ValueError, match="unknown op name 'matmul'.*allowed: default, mm, grouped_mm"):
         checkpoint_model(build(ac()), ac(mode="selective", save_ops=["matmul"]))
     with pytest.raises(ValueError, match="unknown module name 'attn'.*allowed: core_attn, mla_up_proj"):
         checkpoint_model(build(ac()), ac(mode="selective", recompute_modules=["attn"]))
@@ -284,7 +287,7 @@ def test_unknown_names_are_rejected():
 
 
 @pytest.mark.parametrize("key, value, valid", [
-    ("save_ops", ["mm", "flash"], ", ".join(OP_TABLE)),
+    ("save_ops", ["mm", "flash"], ", ".join(["default", *op_table().ops])),
     ("recompute_modules", ["mla"], ", ".join(RECOMPUTE_MODULES)),
 ])
 def test_validate_job_names_the_key_and_the_valid_names(key, value, valid):
@@ -356,7 +359,7 @@ def test_save_ops_that_save_nothing_in_the_run_are_named(save_ops, device, dtype
         assert warning is None
         return
     assert warning.startswith("activation_checkpoint.save_ops: ")
-    assert {name for name in OP_TABLE if f"'{name}' saves nothing here (" in warning} == set(named)
+    assert {name for name in op_table().ops if f"'{name}' saves nothing here (" in warning} == set(named)
     assert ('as with mode = "full"' in warning) == like_full
 
 
@@ -506,7 +509,7 @@ def test_forward_and_recompute_dispatch_the_same_savable_ops(baseline):
     forward = _ops_in_blocks_forward(build(ac())).counts
     _, _, backward = run(ac(mode="full"))
     again = recomputed(backward, baseline[2], by="counts")
-    savable = {str(op) for name in OP_TABLE for op in resolve_ops(name)}
+    savable = {str(op) for name in op_table().ops for op in op_table().resolve(name)}
     assert {k: n for k, n in forward.items() if k in savable} == {k: n for k, n in again.items() if k in savable}
 
 
@@ -549,7 +552,7 @@ def test_fsdp_runtime_in_a_checkpointed_block_stays_out_of_sac_replay(mode, monk
     """Before the bypass this raised `aten.cat.default encountered during backward but not found in storage` (the
     shape of `fsdp.all_gather_copy_in` crashing fsdp4 x ep2 with AC). Now: the same gradients as without AC, and
     the runtime's ops still reach a dispatch mode below the SAC mode (where the memory tracker sits)."""
-    from parallelisms import activation_checkpoint as ac_module
+    from parallelisms.activation_checkpoint import policy as ac_module
 
     def grads(cfg):
         torch.manual_seed(0)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from trainer.config import run_with_config_errors
+from core.config import run_with_config_errors
 from trainer.preflight import _check
 
 BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",

@@ -284,7 +284,7 @@ def _train(trainer: Trainer) -> list[float]:
 
 def _refused_in_preflight(argv: list[str], capsys) -> str:
     """The one line `python -m trainer.preflight` ends with (exit code 2, no traceback)."""
-    from trainer.config import run_with_config_errors
+    from core.config import run_with_config_errors
     from trainer.preflight import _check
 
     with pytest.raises(SystemExit) as exc:

@@ -346,7 +346,7 @@ def test_damaged_checkpoints_are_skipped_refused_by_name_and_never_kept_in_place
     import shutil
 
     from trainer.checkpoint import latest_checkpoint, list_checkpoints
-    from trainer.config import ConfigError
+    from core.config import ConfigError
     from trainer.job_config import load_config
     from trainer.train import prepare, run
 

@@ -21,12 +21,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-import parallelisms.activation_checkpoint as ac  # noqa: E402
-from models.common.token_dispatch import Dispatched, TokenDispatcher, host_list  # noqa: E402
+from core.token_dispatch import Dispatched, TokenDispatcher, host_list  # noqa: E402
 from parallelisms.moe_comm import registry  # noqa: E402
 from parallelisms.moe_comm.registry import COMM_BACKENDS, get_comm_backend, register_comm_backend  # noqa: E402
-from parallelisms.activation_checkpoint import ActivationCheckpointSection  # noqa: E402
-from trainer.config import ConfigError  # noqa: E402
+from parallelisms.activation_checkpoint.config import ActivationCheckpointSection, ac_config_problem  # noqa: E402
+from core.config import ConfigError  # noqa: E402
 from trainer.job_config import load_config, validate_job  # noqa: E402
 
 
@@ -86,16 +85,11 @@ class AllGatherDispatcher(TokenDispatcher):
 
 @pytest.fixture
 def scratch_registry():
-    """Undo what a test registers: the backends, the op table and its index."""
-    backends, table, collectives = dict(registry._BACKENDS), dict(ac.OP_TABLE), set(ac.COLLECTIVE_OPS)
+    """Undo what a test registers: the backends (the op table is derived from them)."""
+    backends = dict(registry._BACKENDS)
     yield
     registry._BACKENDS.clear()
     registry._BACKENDS.update(backends)
-    ac.OP_TABLE.clear()
-    ac.OP_TABLE.update(table)
-    ac.COLLECTIVE_OPS.clear()
-    ac.COLLECTIVE_OPS.update(collectives)
-    ac._INDEX = ac._kind_index()
 
 
 def test_config_choices_come_from_the_registry():
@@ -131,16 +125,17 @@ def test_backend_ops_join_the_op_table_and_the_default_save_ops(scratch_registry
     lib.define("send(Tensor x) -> Tensor")
     lib.impl("send", lambda x: x.clone(), "CompositeExplicitAutograd")
     op = torch.ops.toy_comm.send.default
-    assert ac.op_kind(op) is None
+    assert registry.op_table().kind(op) is None
 
     @register_comm_backend("toy_with_ops")
     class WithOps(TokenDispatcher):
         ac_ops = {"toy_send": ("toy_comm.send.default",)}
 
-    assert ac.op_kind(op) == "toy_send"  # the index was rebuilt when the backend registered
-    assert ac.resolve_ops("toy_send") == [op] and "toy_send" in ac.COLLECTIVE_OPS
-    assert "toy_send" in ActivationCheckpointSection().save_ops
-    assert ac.ac_config_problem(ActivationCheckpointSection(mode="selective", save_ops=["toy_send"]), {}) is None
+    table = registry.op_table()  # derived from the backends registered now
+    assert table.kind(op) == "toy_send"
+    assert table.resolve("toy_send") == [op] and "toy_send" in table.collectives
+    assert "toy_send" in table.save_ops(ActivationCheckpointSection().save_ops)
+    assert ac_config_problem(ActivationCheckpointSection(mode="selective", save_ops=["toy_send"]), {}) is None
 
 
 def test_a_backend_whose_ops_clash_is_not_registered(scratch_registry):

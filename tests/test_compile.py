@@ -27,11 +27,12 @@ from torch._dynamo.utils import counters
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.model import DeepSeekV3Model
 from models.deepseek_v3.moe import update_expert_bias
-from models.deepseek_v3.parallelize import checkpoint_model, compile_model
-from parallelisms.activation_checkpoint import ActivationCheckpointSection
+from models.deepseek_v3.parallelize import MODULE_DEFAULTS, checkpoint_model, compile_model, named_blocks
+from parallelisms.activation_checkpoint.config import ActivationCheckpointSection
 from parallelisms.compile import CompileSection, compile_loss, compiled_modules
-from parallelisms.fp8 import Fp8Section, apply_fp8
-from trainer.loss import IGNORE_INDEX, count_valid_tokens, cross_entropy_sum
+from quantization.fp8.config import Fp8Section, fp8_selection
+from quantization.fp8.convert import apply_fp8
+from core.loss import IGNORE_INDEX, count_valid_tokens, cross_entropy_sum
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,7 +63,7 @@ def _train_tiny(compiled: bool, device: str = "cpu", args: ModelArgs = TINY, fp8
     torch.manual_seed(0)
     with torch.device("meta"):
         model = DeepSeekV3Model(args)
-    apply_fp8(model, Fp8Section(recipe=fp8))
+    apply_fp8(named_blocks(model), fp8_selection(Fp8Section(recipe=fp8), MODULE_DEFAULTS))
     if compiled:
         checkpoint_model(model, ActivationCheckpointSection(mode="selective"))
         compile_model(model, COMPILE)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from parallelisms.moe_comm.registry import op_table
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallel_dims import ParallelismSection
-from trainer.config import ConfigError, check_sections, config_to_toml, field_docs, load, run_with_config_errors
+from core.config import ConfigError, check_sections, config_to_toml, field_docs, load, run_with_config_errors
 from trainer.job_config import JobConfig, load_config, validate_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,8 +50,11 @@ def test_defaults_load():
     assert cfg == JobConfig()
     assert cfg.training.steps == 10
     assert cfg.job.config_file == ""
-    assert cfg.activation_checkpoint.force_recompute_modules == ["moe.router.gate"]
-    assert "deepep_dispatch" in cfg.activation_checkpoint.save_ops
+    # module names and save ops default to "default": the model's and the op table's lists, resolved where read
+    assert cfg.activation_checkpoint.force_recompute_modules == ["default"]
+    assert cfg.activation_checkpoint.save_ops == ["default"]
+    assert cfg.fp8.modules == cfg.fp8.exclude_modules == ["default"]
+    assert "deepep_dispatch" in op_table().save_ops(cfg.activation_checkpoint.save_ops)
 
 
 def test_list_defaults_are_not_shared():
@@ -344,7 +348,7 @@ def test_run_with_config_errors_exits_2_with_one_line(tmp_path):
     script = tmp_path / "tiny.py"
     script.write_text(
         "import sys\n"
-        "from trainer.config import run_with_config_errors\nfrom trainer.job_config import load_config\n"
+        "from core.config import run_with_config_errors\nfrom trainer.job_config import load_config\n"
         "run_with_config_errors(lambda: load_config(sys.argv[1:]))\n"
     )
     proc = subprocess.run(
@@ -368,7 +372,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.config import ConfigError, option
+from core.config import ConfigError, option
 from trainer.job_config import JobSection
 
 
@@ -427,13 +431,13 @@ def test_machinery_loads_a_section_from_any_module(tmp_path, capsys):
 
 
 def test_machinery_imports_only_the_standard_library():
-    code = ("import sys, trainer.config; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'parallelisms', 'models', 'trainer'))"
-            ")")
+    code = ("import sys, core.config; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'parallelisms', 'models', 'trainer', "
+            "'core', 'quantization')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "['trainer', 'trainer.config']"
+    assert proc.stdout.strip() == "['core', 'core.config']"
 
 
 # --- ParallelDims and cross-section validation ---------------------------------------------------------

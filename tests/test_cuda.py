@@ -18,11 +18,11 @@ import torch.nn.functional as F
 
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.model import DeepSeekV3Model, attention
-from parallelisms.activation_checkpoint import OpCounter
+from parallelisms.activation_checkpoint.policy import OpCounter
 from parallelisms.clip import clip_grad_norm_
 from trainer import device as devices
 from trainer.optimizer import OptimizerSection
-from trainer.loss import IGNORE_INDEX, cross_entropy_sum
+from core.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.optimizer import build_optimizer
 
 # dims multiple of 8: the CUDA grouped GEMM wants 16-byte aligned bf16 rows

@@ -22,7 +22,7 @@ import torch
 from trainer.data import (DatasetError, DatasetSection, HeldOutDocuments, ListDocuments, PackedDataLoader,
                           build_dataloader, load_documents)
 from trainer.job_config import load_config
-from trainer.loss import IGNORE_INDEX, count_valid_tokens
+from core.loss import IGNORE_INDEX, count_valid_tokens
 from trainer.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

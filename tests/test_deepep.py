@@ -39,7 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from parallelisms.fp8 import dequantize, quantize  # noqa: E402
+from quantization.fp8.quantize import dequantize, quantize  # noqa: E402
 from parallelisms.moe_comm import deepep, deepep_cpu  # noqa: E402
 from parallelisms.moe_comm.deepep import (HANDLES, DeepEPUnavailableError, HandleRegistry,  # noqa: E402
                                           deepep_available)
@@ -98,10 +98,10 @@ def test_size_hints_follow_deepep_rules():
 
 
 def test_custom_ops_resolve_in_the_sac_op_table():
-    from parallelisms.activation_checkpoint import resolve_ops
+    from parallelisms.moe_comm.registry import op_table
 
-    assert resolve_ops("deepep_dispatch") == [torch.ops.deepep.dispatch.default]
-    assert resolve_ops("deepep_combine") == [torch.ops.deepep.combine.default]
+    assert op_table().resolve("deepep_dispatch") == [torch.ops.deepep.dispatch.default]
+    assert op_table().resolve("deepep_combine") == [torch.ops.deepep.combine.default]
 
 
 def test_registry_owns_handles_until_taken_or_dropped():
@@ -308,10 +308,10 @@ def _parity(mesh, rank: int) -> dict:
 def _fp8_dispatch_parity(mesh, rank: int) -> dict:
     """One MoE layer with blockwise FP8 experts on DeepEP, rows sent as e4m3 vs in fp32: max |difference| of the
     output and every gradient (the experts quantise the same 1 x 128 tiles, so 0), and what went on the wire."""
-    from models.common.grouped_mm import QUANTIZED_MM
+    from core.quantization import QUANTIZED_MM
     from models.deepseek_v3.moe import MoE
     from parallelisms.expert_parallel import apply_expert_parallel
-    from parallelisms.fp8 import Fp8GroupedMM
+    from quantization.fp8.gemms import Fp8GroupedMM
 
     args = dataclasses.replace(_moe_args(), dim=256, moe_inter_dim=128)  # FP8 tiles: multiples of 128
     torch.manual_seed(0)
@@ -345,16 +345,17 @@ def _fp8_dispatch_parity(mesh, rank: int) -> dict:
 
 
 def _ac_config(mode: str, save_deepep: bool = True, early_stop: bool = False):
-    from parallelisms.activation_checkpoint import ActivationCheckpointSection
+    from parallelisms.activation_checkpoint.config import ActivationCheckpointSection
+    from parallelisms.moe_comm.registry import op_table
 
     cfg = ActivationCheckpointSection(mode=mode, granularity="op", early_stop=early_stop)
     if not save_deepep:
-        cfg.save_ops = [op for op in cfg.save_ops if not op.startswith("deepep")]
+        cfg.save_ops = [op for op in op_table().save_ops(cfg.save_ops) if not op.startswith("deepep")]
     return cfg
 
 
 def _build(mesh, path: str, backend: str = "deepep"):
-    from parallelisms.activation_checkpoint import apply_ac
+    from parallelisms.activation_checkpoint.policy import apply_ac
     from parallelisms.expert_parallel import apply_expert_parallel
 
     args = _moe_args()
@@ -419,12 +420,12 @@ class _HostSyncs(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from parallelisms.activation_checkpoint import op_kind
+        from parallelisms.moe_comm.registry import op_table
 
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
-        if op_kind(func, args, kwargs) == "d2h_copy" or func is torch.ops.deepep.dispatch.default:
+        if op_table().kind(func, args, kwargs) == "d2h_copy" or func is torch.ops.deepep.dispatch.default:
             self.count += 1
         return func(*args, **kwargs)
 

@@ -1,4 +1,4 @@
-"""FP8 numerics (parallelisms/fp8.py) against fp32 references, with bounds that e4m3 quantisation explains.
+"""FP8 numerics (quantization/fp8/) against fp32 references, with bounds that e4m3 quantisation explains.
 
 The bound used throughout. e4m3 keeps 3 mantissa bits: rounding a scaled value to nearest changes it by at most
 2^-4 of itself in the normal range, and by at most 2^-10 (half the subnormal spacing 2^-9) below it, times the
@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from parallelisms.fp8 import (E4M3_MAX, Fp8GroupedMM, Fp8Linear, dequantize, fp8_grouped_mm, quantize,
-                              quantize_segments)
+from quantization.fp8.gemms import Fp8GroupedMM, Fp8Linear, fp8_grouped_mm
+from quantization.fp8.quantize import E4M3_MAX, dequantize, quantize, quantize_segments
 
 U = 2.0 ** -4
 
@@ -270,14 +270,15 @@ def _tiny_model(recipe: str, ac_mode: str = "none", extra: list[str] = ()):
     """A 2-layer debug model (one dense, one MoE block) with the [fp8] and AC sections applied, initialised."""
     from models.deepseek_v3.args import FLAVORS
     from models.deepseek_v3.model import DeepSeekV3Model
-    from models.deepseek_v3.parallelize import checkpoint_model
-    from parallelisms.fp8 import apply_fp8
+    from models.deepseek_v3.parallelize import MODULE_DEFAULTS, checkpoint_model, named_blocks
+    from quantization.fp8.config import fp8_selection
+    from quantization.fp8.convert import apply_fp8
     from trainer.job_config import load_config
 
     cfg = load_config(["--fp8.recipe", recipe, "--activation_checkpoint.mode", ac_mode, *extra])
     with torch.device("meta"):
         model = DeepSeekV3Model(FLAVORS["debugmodel"].replace(n_layers=2))
-    converted = apply_fp8(model, cfg.fp8)
+    converted = apply_fp8(named_blocks(model), fp8_selection(cfg.fp8, MODULE_DEFAULTS))
     checkpoint_model(model, cfg.activation_checkpoint)
     model.to_empty(device="cpu")
     model.init_weights(buffer_device=torch.device("cpu"), seed=0)
@@ -335,43 +336,49 @@ def test_rowwise_without_torchao_is_a_config_problem(monkeypatch):
 
     from models.deepseek_v3.args import FLAVORS
     from models.deepseek_v3.model import TransformerBlock
-    from parallelisms import fp8
+    from models.deepseek_v3.parallelize import MODULE_DEFAULTS
+    from quantization.fp8.config import fp8_config_problem, fp8_selection
     from trainer.job_config import load_config
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with torch.device("meta"):
         blocks = [TransformerBlock(i, FLAVORS["debugmodel"]) for i in (0, 1)]  # dense, MoE
     cfg = load_config(["--fp8.recipe", "rowwise"])
-    key, problem, _ = fp8.fp8_config_problem(cfg.fp8, blocks)
+    key, problem, _ = fp8_config_problem(fp8_selection(cfg.fp8, MODULE_DEFAULTS), blocks)
     assert key == "fp8.recipe" and "torchao" in problem
     # experts only: no torchao needed
     cfg = load_config(["--fp8.recipe", "rowwise", "--fp8.modules", "moe.experts"])
-    assert fp8.fp8_config_problem(cfg.fp8, blocks) is None
+    assert fp8_config_problem(fp8_selection(cfg.fp8, MODULE_DEFAULTS), blocks) is None
 
 
 def test_fp8_flops_are_those_of_the_selected_modules():
     """The FP8 share of a model's per-module FLOPs table follows the [fp8] filters as apply_fp8 does; none: 0."""
     from models.deepseek_v3.args import FLAVORS
     from models.deepseek_v3.flops import block_flops_per_token
-    from parallelisms.fp8 import fp8_flops_per_token
+    from models.deepseek_v3.parallelize import MODULE_DEFAULTS
+    from quantization.fp8.accounting import fp8_flops_per_token
+    from quantization.fp8.config import fp8_selection
     from trainer.job_config import load_config
+
+    def selection(args):
+        return fp8_selection(load_config(args).fp8, MODULE_DEFAULTS)
 
     table = block_flops_per_token(FLAVORS["debugmodel"])
     linears = sum(f for fqn, f in table.items() if fqn != "moe.experts")
-    default = load_config(["--fp8.recipe", "blockwise"]).fp8  # everything but attention.wkv_a
+    default = selection(["--fp8.recipe", "blockwise"])  # everything but attention.wkv_a
     assert fp8_flops_per_token(default, table) == sum(table.values()) - table["attention.wkv_a"]
-    experts = load_config(["--fp8.recipe", "rowwise", "--fp8.modules", "moe.experts"]).fp8
+    experts = selection(["--fp8.recipe", "rowwise", "--fp8.modules", "moe.experts"])
     assert fp8_flops_per_token(experts, table) == table["moe.experts"]
-    no_experts = load_config(["--fp8.recipe", "blockwise", "--fp8.exclude_modules", "experts"]).fp8
+    no_experts = selection(["--fp8.recipe", "blockwise", "--fp8.exclude_modules", "experts"])
     assert fp8_flops_per_token(no_experts, table) == linears
-    assert fp8_flops_per_token(load_config([]).fp8, table) == 0
+    assert fp8_flops_per_token(selection([]), table) == 0
 
 
 def test_rowwise_linears_are_torchaos_within_bound():
     """torchao's rowwise Float8Linear, as apply_fp8 converts it: forward and both gradients within the bound of
     one scale per row along each GEMM's K (so the wgrad tiles span all the tokens)."""
     pytest.importorskip("torchao")
-    from parallelisms.fp8 import _convert_linear
+    from quantization.fp8.convert import _convert_linear
 
     x, w, dy = _linear_case(M=64)
     lin = torch.nn.Linear(256, 384, bias=False)
@@ -488,7 +495,8 @@ def _backward_peak_beyond_gradients(fn, inputs, grads_bytes: int) -> int:
 def test_backward_memory_of_fp8_gemms_is_what_the_memory_plan_adds(dtype):
     """`gemm_backward_extra_bytes` (the memory plan's FP8 term) against the exact tracker: linears whose largest
     operand is dY, x or the weight, and grouped experts of both recipes, within 1% (the scales and offsets)."""
-    from parallelisms.fp8 import _Fp8LinearFn, gemm_backward_extra_bytes
+    from quantization.fp8.accounting import gemm_backward_extra_bytes
+    from quantization.fp8.gemms import _Fp8LinearFn
 
     a = torch.finfo(dtype).bits // 8
     gen = torch.Generator().manual_seed(0)

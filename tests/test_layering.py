@@ -13,15 +13,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("trainer", "parallelisms", "models")
+#: From the bottom up: contracts, quantization and the parallelisms (generic mechanisms), the model families, the
+#: trainer (loop, config, tools).
+PACKAGES = ("core", "quantization", "parallelisms", "models", "trainer")
 
-#: Files of a model family that wire the model to the trainer and the parallelisms by design: the package's
-#: `ModelSpec` registration (`__init__.py`), its parallelize plan, its pipeline split and its memory plan's
-#: tensors. Every other model module is model code.
+#: Files of a model family that wire the model to the parallelisms by design: the package's `ModelSpec`
+#: registration (`__init__.py`), its parallelize plan, its pipeline split and its memory plan's tensors. Every other
+#: model module is model code.
 MODEL_ADAPTERS = ("__init__.py", "parallelize.py", "pipeline.py", "memory_plan.py")
 
 #: The config machinery: standard library only, so that every package may import it for its config section.
-CONFIG = "trainer.config"
+CONFIG = "core.config"
 
 #: Only the comm backends (parallelisms/moe_comm/) may name DeepEP, in code, comments or docstrings.
 DEEPEP = re.compile(r"deep_?ep", re.IGNORECASE)
@@ -91,10 +93,37 @@ def _is_model_code(file: str) -> bool:
     return parts[1] == "common" or parts[-1] not in MODEL_ADAPTERS
 
 
-def test_model_code_imports_neither_parallelisms_nor_trainer():
+def _ours(module: str) -> bool:
+    return any(_under(module, package) for package in PACKAGES)
+
+
+def test_core_imports_nothing_of_ours():
+    bad = _violations(lambda file, module: file.startswith("core/") and _ours(module) and not _under(module, "core"))
+    assert not bad, "core/ holds the contracts every layer shares and imports nothing of ours:\n" + "\n".join(bad)
+
+
+def test_quantization_imports_only_core():
+    bad = _violations(lambda file, module: file.startswith("quantization/") and _ours(module)
+                      and not (_under(module, "core") or _under(module, "quantization")))
+    assert not bad, "quantization/ may import core only:\n" + "\n".join(bad)
+
+
+def test_parallelisms_import_neither_trainer_nor_models():
+    bad = _violations(lambda file, module: file.startswith("parallelisms/")
+                      and (_under(module, "trainer") or _under(module, "models")))
+    assert not bad, "parallelisms may import core and quantization, never trainer or models:\n" + "\n".join(bad)
+
+
+def test_models_never_import_the_trainer():
+    bad = _violations(lambda file, module: file.startswith("models/") and _under(module, "trainer"))
+    assert not bad, "models may import core (and their adapters parallelisms and quantization), never trainer:\n" + \
+        "\n".join(bad)
+
+
+def test_model_code_imports_only_core_and_model_code():
     bad = _violations(lambda file, module: _is_model_code(file)
-                      and (_under(module, "parallelisms") or _under(module, "trainer")))
-    assert not bad, "model code must not import parallelisms or trainer (adapters excepted):\n" + "\n".join(bad)
+                      and (_under(module, "parallelisms") or _under(module, "quantization")))
+    assert not bad, "model code must not import parallelisms or quantization (adapters excepted):\n" + "\n".join(bad)
 
 
 def test_common_building_blocks_import_no_model_family():
@@ -103,19 +132,11 @@ def test_common_building_blocks_import_no_model_family():
     assert not bad, "models/common must not import a model family:\n" + "\n".join(bad)
 
 
-def test_parallelisms_import_neither_trainer_nor_a_model_family():
-    bad = _violations(lambda file, module: file.startswith("parallelisms/")
-                      and ((_under(module, "trainer") and module != CONFIG)
-                           or (_under(module, "models") and module != "models" and not _under(module, "models.common"))))
-    assert not bad, ("parallelisms may import models.common and trainer.config, never the rest of trainer or a model "
-                     "family:\n" + "\n".join(bad))
-
-
 def test_the_config_machinery_imports_the_standard_library_only():
     path = MODULES[CONFIG]
     bad = [f"{_rel(path)}:{line} imports {module}" for module, line in _imports(CONFIG, path)
            if module.split(".")[0] not in sys.stdlib_module_names and module not in ("__future__", "tomli")]
-    assert not bad, "trainer/config.py must import the standard library only (tomli on Python 3.10):\n" + "\n".join(bad)
+    assert not bad, "core/config.py must import the standard library only (tomli on Python 3.10):\n" + "\n".join(bad)
 
 
 def test_trainer_finds_models_through_the_registry_only():
@@ -199,3 +220,60 @@ def test_only_the_comm_backends_name_deepep():
             if DEEPEP.search(line):
                 bad.append(f"{file}:{line_no}: {line.strip()}")
     assert not bad, "only parallelisms/moe_comm/ may name DeepEP:\n" + "\n".join(bad)
+
+
+def _self_attributes(files, built_only: bool = False) -> set[str]:
+    """Names assigned as `self.<name>` or declared as class fields in `files`; with `built_only`, only those
+    assigned an object built by a class (`self.wo = nn.Linear(...)`, `self.experts = GroupedExperts(...)`): the
+    modules and parameters of a model, not its numbers."""
+    names = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                built = isinstance(node.value, ast.Call) and _callee(node.value)[:1].isupper()
+                names |= {t.attr for t in node.targets
+                          if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+                          and (built or not built_only)}
+            elif (not built_only and isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                names.add(node.attr)
+            elif isinstance(node, ast.ClassDef) and not built_only:
+                names |= {st.target.id for st in node.body
+                          if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)}
+    return names
+
+
+def _callee(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+#: A string that could be a module name: identifiers joined by dots.
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.\w+)*$")
+
+
+def test_the_generic_layers_name_no_model_module():
+    """parallelisms/ and quantization/ work on whatever modules a model's plan hands them: no attribute a model
+    family defines (`model.layers`, `moe.experts`, `block.w1`) unless the generic layers or the contracts in core/
+    define it too (an experts mesh, `ExpertParallelLayer.experts`), and no string that names a model's module
+    ("moe.router.gate", "attention.wkv_a"), save the AC op table's own names ("attention", "norm")."""
+    model_files = [MODULES[name] for name in MODULES
+                   if _is_model_code(_rel(MODULES[name])) and not name.startswith("models.common")]
+    generic_files = [path for name, path in MODULES.items() if name.split(".")[0] in ("parallelisms", "quantization")]
+    own = _self_attributes(generic_files + [p for n, p in MODULES.items() if n.split(".")[0] == "core"])
+    model_names = _self_attributes(model_files, built_only=True) - own
+    op_table_names = set(re.findall(r'^    "(\w+)": \(', MODULES["parallelisms.activation_checkpoint.ops"].read_text(),
+                                    re.MULTILINE))
+    assert {"attention", "mm", "d2h_copy"} <= op_table_names
+    bad = []
+    for path in generic_files:
+        tree = ast.parse(path.read_text())
+        docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in model_names:
+                bad.append(f"{_rel(path)}:{node.lineno}: .{node.attr}")
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+                  and _DOTTED.match(node.value) and node.value not in op_table_names
+                  and any(part in model_names for part in node.value.split("."))):
+                bad.append(f"{_rel(path)}:{node.lineno}: {node.value!r}")
+    assert not bad, "parallelisms/ and quantization/ must not name a model's modules:\n" + "\n".join(bad)

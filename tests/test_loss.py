@@ -1,4 +1,4 @@
-"""trainer/loss.py: the chunked cross-entropy against `F.cross_entropy` on fp32 logits (values, gradients, memory)."""
+"""core/loss.py: the chunked cross-entropy against `F.cross_entropy` on fp32 logits (values, gradients, memory)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.loss import IGNORE_INDEX, cross_entropy_sum
+from core.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.memory import MemoryMonitor
 
 

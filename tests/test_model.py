@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.common.token_dispatch import LocalTokenDispatcher
+from core.token_dispatch import LocalTokenDispatcher
 from models.deepseek_v3 import mtp_loss
 from models.deepseek_v3.args import FLAVORS, ModelArgs
 from models.deepseek_v3.flops import attention_flops_per_token, block_flops_per_token, block_gemms, count_params, \
@@ -14,7 +14,7 @@ from models.deepseek_v3.flops import attention_flops_per_token, block_flops_per_
 from models.deepseek_v3.model import DeepSeekV3Model, document_causal_mask, rope_tables, yarn_inv_freq, \
     yarn_softmax_scale
 from models.deepseek_v3.moe import GroupedExperts, MoE, Router, sequence_balance_loss, update_expert_bias
-from parallelisms.fp8 import fp8_block_modules
+from quantization.fp8.config import fp8_block_modules
 
 TINY = ModelArgs(vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=3, n_dense_layers=1, n_heads=2,
                  max_seq_len=32, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, q_lora_rank=0,
@@ -591,7 +591,7 @@ def test_rms_norm_weight_takes_the_input_dtype_under_autocast():
 def test_bf16_attention_pads_v_for_the_flash_kernel_and_matches_the_reference():
     """MLA's unequal head dims in bf16 on CPU: zero-padded v on the flash kernel, outputs and grads as exact SDPA."""
     from models.deepseek_v3.model import attention
-    from parallelisms.activation_checkpoint import OpCounter
+    from parallelisms.activation_checkpoint.policy import OpCounter
 
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(2, 3, 40, 24, generator=gen) for _ in range(2))

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from trainer.config import ConfigError
+from core.config import ConfigError
 from trainer.job_config import load_config, validate_job
 from trainer.train import run
 

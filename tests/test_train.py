@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from trainer import preflight
-from trainer.config import ConfigError, config_to_toml, run_with_config_errors
+from core.config import ConfigError, config_to_toml, run_with_config_errors
 from trainer.job_config import load_config
 from trainer.metrics import read_scalars, run_dirs
-from trainer.registry import get_model_spec, register_model_spec
+from core.model_spec import register_model_spec
+from trainer.registry import get_model_spec
 from trainer.train import Trainer, prepare, run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

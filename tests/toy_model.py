@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.init import init_parameter_
-from parallelisms.activation_checkpoint import ScopeRule, apply_ac
+from parallelisms.activation_checkpoint.policy import ScopeRule, apply_ac
 from parallelisms.fsdp import FSDPUnit, apply_fsdp
-from trainer.config import ConfigError
-from trainer.loss import cross_entropy_sum
-from trainer.registry import ModelSpec, register_model_spec
+from core.config import ConfigError
+from core.loss import cross_entropy_sum
+from core.model_spec import ModelSpec, register_model_spec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer.config import ConfigError, option
+from core.config import ConfigError, option
 from trainer.lr_schedule import WarmupDecayLR
 from trainer.preemption import parse_signals
 

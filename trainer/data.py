@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from trainer.config import ConfigError
+from core.config import ConfigError
 from trainer.tokenizer import Tokenizer, resolve_path
 
 

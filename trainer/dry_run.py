@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from parallelisms.mesh import build_meshes
 from parallelisms.pipeline import plan_stages
-from trainer.config import run_with_config_errors
+from core.config import run_with_config_errors
 from trainer.job_config import load_config, validate_job
 from trainer.registry import get_model_spec
 

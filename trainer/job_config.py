@@ -1,7 +1,7 @@
 """The job config: one section dataclass per TOML table, composed into `JobConfig`, and the checks across them.
 
 Each section lives beside the code that reads it (the table in docs/architecture.md, "Config"); this module only
-composes them, loads a job (defaults < TOML < command line, through the generic machinery of `trainer.config`)
+composes them, loads a job (defaults < TOML < command line, through the generic machinery of `core.config`)
 and checks what involves more than one section or needs the world size.
 
 Typical use in an entry point::
@@ -22,20 +22,21 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from parallelisms.activation_checkpoint import ActivationCheckpointSection, ac_config_problem
+from parallelisms.activation_checkpoint.config import ActivationCheckpointSection, ac_config_problem
 from parallelisms.compile import CompileSection
-from parallelisms.fp8 import Fp8Section
+from quantization.fp8.config import Fp8Section
 from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.parallel_dims import ParallelDims, ParallelismSection
 from trainer.checkpoint import CheckpointSection
-from trainer.config import (ConfigError, check_fields, check_sections, config_to_toml, load, option,
+from core.config import (ConfigError, check_fields, check_sections, config_to_toml, load, option,
                             run_with_config_errors)
 from trainer.data import DatasetSection
 from trainer.lr_schedule import LRSchedulerSection
 from trainer.memory import MemorySection
 from trainer.metrics import MetricsSection
 from trainer.optimizer import OptimizerSection
-from trainer.registry import ModelSection, MoESection, get_model_spec
+from core.model_config import ModelSection, MoESection
+from trainer.registry import get_model_spec
 from trainer.tokenizer import TokenizerSection
 from trainer.training_config import TrainingSection, ValidationSection
 from trainer.watchdog import CommSection

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.config import option
+from core.config import option
 
 
 @dataclass

@@ -37,7 +37,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils.weak import WeakIdKeyDictionary
 
-from trainer.config import option
+from core.config import option
 
 if TYPE_CHECKING:
     from trainer.leak_detector import LeakVerdict

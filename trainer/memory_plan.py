@@ -27,81 +27,21 @@ the pipeline schedule, FSDP and the optimizer.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 
+from parallelisms.moe_comm.registry import op_table
 from parallelisms.pipeline import plan_stages
-from trainer.config import ConfigError, run_with_config_errors
+from core.config import ConfigError, run_with_config_errors
 from trainer.dry_run import report
 from trainer.job_config import load_config, validate_job
-from trainer.loss import chunk_rows
+from core.loss import chunk_rows
+from core.memory_types import Shape
 from trainer.registry import get_model_spec
 
-__all__ = ["plan", "Item", "Shape", "BlockMemory", "StageMemory", "main"]
+__all__ = ["plan", "main"]
 
 _F32 = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Item:
-    """One tensor a block creates in forward: its bytes, whether autograd keeps it without AC, and its op."""
-
-    name: str
-    nbytes: int
-    saved: bool  # kept for backward when the block is not checkpointed
-    op: str  # producing op as named in `save_ops` ("input", "other": ops no policy saves)
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """What the estimate needs about one forward of one microbatch."""
-
-    B: int
-    S: int
-    act: int  # bytes per activation element (2 for bf16, 4 for fp32)
-    device: str  # "cpu" or "cuda": which kernels run (e.g. attention with or without a score matrix)
-    ep: int
-
-    @property
-    def T(self) -> int:
-        return self.B * self.S
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockMemory:
-    """One block of a model part, for one microbatch, as the model package describes it."""
-
-    layer: int
-    items: list[Item]  # what the block creates in forward; items[0] is the block input
-    ffn_saved: int  # saved bytes of the block's second half (the FFN), freed before the attention's backward
-    attn_ws: int  # backward working set of the attention
-    ffn_ws: int  # backward working set of the FFN (with any gradient all-to-all buffers)
-    unit_bytes: int  # the block's parameters as FSDP gathers them (experts: this rank's EP share)
-    grad_bytes: int  # this rank's fp32 gradients of the block
-
-
-@dataclasses.dataclass(frozen=True)
-class StageMemory:
-    """What the plan needs about the model part of one rank (the model spec's `memory_plan` builds it).
-
-    The embedding and head values are those of the model's; the plan counts them only where the part holds the
-    first (`first`) or the last (`last`) pipeline unit.
-    """
-
-    blocks: list[BlockMemory]
-    first: bool
-    last: bool
-    embedding_kept: int  # bytes the embedding keeps for backward
-    embedding_unit_bytes: int  # the embedding as FSDP gathers it
-    head_kept: int  # bytes the head (final norm, projection, log-softmax) keeps for backward
-    head_unit_bytes: int
-    head_grad_bytes: int  # this rank's fp32 gradients of the head
-    logits: tuple[int, int]  # (rows, vocabulary) of one microbatch's logits
-    hidden_bytes: int  # one hidden-state tensor of one microbatch
-    largest_local_param: int  # fp32 bytes of this rank's largest parameter tensor
-    buffer_bytes: int
-    ep_buffers: int  # expert-parallel communication buffers (0 without EP)
 
 
 def _held(items: list[Item], mode: str, save_ops: set[str]) -> tuple[int, int]:
@@ -162,7 +102,7 @@ def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
     first, last = stage.first, stage.last
     layer_ids = [b.layer for b in stage.blocks]
     ac = cfg.activation_checkpoint
-    save_ops = set(ac.save_ops) | {"d2h_copy"}
+    save_ops = set(op_table().save_ops(ac.save_ops)) | {"d2h_copy"}
     modes = _block_modes(cfg, layer_ids)
     notes = []
     if ac.recompute_modules:
@@ -209,7 +149,7 @@ def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
     fsdp_loss = (3 * stage.head_unit_bytes + last_block_unit) if fsdp and last else 0
 
     # the loss: logits stay referenced while their fp32 softmax gradient and the nll gradient are built; chunked
-    # (large logits, trainer/loss.py), the logits and their gradient plus one chunk's fp32 work and gradient
+    # (large logits, core/loss.py), the logits and their gradient plus one chunk's fp32 work and gradient
     head_grad = stage.head_grad_bytes if last else 0
     T, V = stage.logits
     rows = chunk_rows(T, V)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from trainer.config import option
+from core.config import option
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.config import option
+from core.config import option
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from trainer.config import config_to_toml, run_with_config_errors
+from core.config import config_to_toml, run_with_config_errors
 from trainer.dry_run import print_report, report
 from trainer.job_config import load_config
 from trainer.train import prepare

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from parallelisms.activation_checkpoint import save_ops_warning
+from parallelisms.activation_checkpoint.config import save_ops_warning
 from parallelisms.clip import clip_grad_norm_
 from parallelisms.compile import SECONDS_PER_GRAPH, compile_loss, first_compile
 from parallelisms.mesh import build_meshes
@@ -40,10 +40,10 @@ from parallelisms.pipeline import build_pipeline
 from trainer import device as devices
 from trainer.checkpoint import (CheckpointError, CheckpointManager, CheckpointSaveError, WeightMismatch,
                                 check_checkpoint, latest_checkpoint)
-from trainer.config import ConfigError, config_to_toml
+from core.config import ConfigError, config_to_toml
 from trainer.job_config import JobConfig, load_config, validate_job
 from trainer.data import DatasetError, build_dataloader, has_documents
-from trainer.loss import ScaledLoss, count_valid_tokens
+from core.loss import ScaledLoss, count_valid_tokens
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.launch import PREEMPTED_PREFIX, leave_marker, write_error_line
 from trainer.leak_detector import LeakDetector, MemoryLeakError

@@ -42,7 +42,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from trainer.config import option
+from core.config import option
 from trainer.launch import HUNG_MARKER, leave_marker, write_error_line
 
 __all__ = ["COLLECTIVE_MARGIN_S", "CommSection", "Heartbeat", "set_process_group_timeouts"]

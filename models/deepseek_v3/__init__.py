@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from parallelisms.fp8 import fp8_config_problem
-from trainer.config import ConfigError
-from trainer.loss import IGNORE_INDEX, cross_entropy_sum
-from trainer.registry import ModelSpec, register_model_spec
+from quantization.fp8.config import fp8_config_problem, fp8_selection, selected_modules
+from core.config import ConfigError
+from core.loss import IGNORE_INDEX, cross_entropy_sum
+from core.model_spec import ModelSpec, register_model_spec
 
 from .args import FLAVORS, ModelArgs
 from . import hf
@@ -16,7 +16,7 @@ from .hf import load_hf_pretrained
 from .memory_plan import stage_memory
 from .model import DeepSeekV3Model, TransformerBlock
 from .moe import update_expert_bias
-from .parallelize import RECOMPUTE_MODULES, compile_units, parallelize_deepseek_v3
+from .parallelize import MODULE_DEFAULTS, RECOMPUTE_MODULES, compile_units, parallelize_deepseek_v3
 from .pipeline import keep_stage, split_units
 
 
@@ -71,15 +71,21 @@ def _override_layers(args: ModelArgs, model_cfg) -> ModelArgs:
 
 def _check_fp8(job_config, args: ModelArgs) -> None:
     """The [fp8] dims against one block of each kind the model has (dense, MoE), its names against both kinds
-    (so the default names hold for a model without dense layers); blocks built on the meta device."""
+    (so the default names hold for a model without dense layers); blocks built on the meta device. FP8 experts
+    need the grouped GEMM (`moe.use_grouped_mm`)."""
     layer_ids = sorted({0, args.n_dense_layers} & set(range(args.n_layers)))
     both_kinds = args.replace(n_dense_layers=1)
     with torch.device("meta"):
         blocks = [TransformerBlock(i, args) for i in layer_ids]
         vocabulary = [TransformerBlock(i, both_kinds) for i in (0, 1)]
-    problem = fp8_config_problem(job_config.fp8, blocks, grouped_mm=args.use_grouped_mm, vocabulary=vocabulary)
+    selection = fp8_selection(job_config.fp8, MODULE_DEFAULTS)
+    problem = fp8_config_problem(selection, blocks, vocabulary=vocabulary)
     if problem is not None:
         raise ConfigError(*problem)
+    grouped = [fqn for fqn, m in selected_modules(selection, blocks).items() if not isinstance(m, torch.nn.Linear)]
+    if selection.recipe != "none" and grouped and not args.use_grouped_mm:
+        raise ConfigError("moe.use_grouped_mm", "false, but FP8 experts run on the grouped GEMM",
+                          f"true with fp8.recipe != none, or exclude {grouped[0]} in fp8.exclude_modules")
 
 
 def build_loss_fn(args: ModelArgs):
@@ -158,6 +164,7 @@ register_model_spec(ModelSpec(
     memory_plan=stage_memory,
     module_flops=block_flops_per_token,
     optional_weights={"mtp.": "--model.mtp_layers 0"},
+    module_defaults=MODULE_DEFAULTS,
 ))
 
 __all__ = ["DeepSeekV3Model", "ModelArgs", "FLAVORS", "build_args", "load_hf_pretrained"]

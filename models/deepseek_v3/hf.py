@@ -27,10 +27,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from core.quantization import FP8_TILE
+
 from .args import ModelArgs
 from .model import DeepSeekV3Model
 
-FP8_BLOCK = 128  # DeepSeek-V3's FP8 checkpoints scale each 128x128 block of a weight by one fp32 factor
+FP8_BLOCK = FP8_TILE  # DeepSeek-V3's FP8 checkpoints scale each 128x128 block of a weight by one fp32 factor
 INDEX_FILE = "model.safetensors.index.json"
 
 # ----------------------------------------------------------------------------------------------- config mapping

@@ -6,12 +6,15 @@ Sizes assume balanced routing (every expert rank receives T * top_k rows). See d
 
 from __future__ import annotations
 
-from parallelisms.fp8 import BLOCK, gemm_backward_extra_bytes, is_selected
-from trainer.memory_plan import BlockMemory, Item, Shape, StageMemory
+from core.quantization import FP8_TILE
+from quantization.fp8.accounting import gemm_backward_extra_bytes
+from quantization.fp8.config import Fp8Selection, fp8_selection
+from core.memory_types import BlockMemory, Item, Shape, StageMemory
 
 from .args import ModelArgs
 from .flops import block_gemms
 from .moe import CPU_GROUP_ALIGN, padded_rows
+from .parallelize import MODULE_DEFAULTS
 
 _I64, _F32 = 8, 4
 _FFN_PREFIXES = ("router", "dispatch", "experts", "combine", "ep.", "shared", "feed_forward", "aux")
@@ -46,7 +49,7 @@ def expert_row_align(sh: Shape, fp8_experts: bool) -> int:
     """The multiple each expert's rows are padded to before the grouped GEMMs (`moe._experts_grouped_mm`): FP8's
     tile (128), oneDNN's kernel-cache granule for bf16 on CPU, or 1 (no padding)."""
     if fp8_experts:
-        return BLOCK
+        return FP8_TILE
     return CPU_GROUP_ALIGN if sh.device == "cpu" and sh.act == 2 else 1
 
 
@@ -136,30 +139,31 @@ def _unit_numel(args: ModelArgs) -> dict[str, int]:
             "experts": 3 * args.n_routed_experts * D * args.moe_inter_dim}
 
 
-def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, fp8_cfg, expert_align: int) -> tuple[int, int]:
+def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, selection: Fp8Selection,
+                       expert_align: int) -> tuple[int, int]:
     """(attention, FFN) half of a block: the most any one of its FP8 GEMMs' backward allocates beyond the
-    high-precision backward (`parallelisms.fp8.gemm_backward_extra_bytes`); (0, 0) with recipe none."""
-    if fp8_cfg.recipe == "none":
+    high-precision backward (`quantization.fp8.accounting.gemm_backward_extra_bytes`); (0, 0) with recipe none."""
+    if selection.recipe == "none":
         return 0, 0
     extra = {"attention": 0, "ffn": 0}
     N = sh.T * args.n_activated_experts
     for fqn, gemms in block_gemms(args, moe).items():
-        if not is_selected(fqn, fp8_cfg):
+        if not selection.selects(fqn):
             continue
         half = "attention" if fqn.startswith("attention.") else "ffn"
         for k, n, copies in gemms:
             experts = copies // sh.ep if copies > 1 else 0
             rows = padded_rows(N, experts, expert_align) if experts else sh.T
-            b = gemm_backward_extra_bytes(fp8_cfg.recipe, rows, k, n, sh.act, experts)
+            b = gemm_backward_extra_bytes(selection.recipe, rows, k, n, sh.act, experts)
             extra[half] = max(extra[half], b)
     return extra["attention"], extra["ffn"]
 
 
 def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, units: dict[str, int], unit_bytes: dict[str, int],
-           shard: int, fp8_cfg) -> BlockMemory:
+           shard: int, selection: Fp8Selection) -> BlockMemory:
     T, a = sh.T, sh.act
     moe = layer >= args.n_dense_layers
-    fp8_experts = moe and fp8_cfg.recipe != "none" and is_selected("moe.experts", fp8_cfg)
+    fp8_experts = moe and selection.recipe != "none" and selection.selects("moe.experts")
     align = expert_row_align(sh, fp8_experts)
     items = block_items(args, moe, sh, aux_loss, align)
     ffn = sum(it.nbytes for it in items if it.saved and it.name.startswith(_FFN_PREFIXES))
@@ -170,7 +174,7 @@ def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, units: dict[s
     ffn_ws = 3 * max(T * args.n_activated_experts * args.moe_inter_dim if moe else 0, T * hidden) * a
     if moe and sh.ep > 1:
         ffn_ws += 2 * T * args.n_activated_experts * args.dim * a  # all-to-all buffers of the gradients
-    fp8_attn, fp8_ffn = fp8_backward_extra(args, moe, sh, fp8_cfg, align)
+    fp8_attn, fp8_ffn = fp8_backward_extra(args, moe, sh, selection, align)
     attn_ws += fp8_attn
     ffn_ws += fp8_ffn
     unit = unit_bytes["moe_block" if moe else "dense_block"] + (unit_bytes["experts"] if moe else 0)
@@ -194,10 +198,11 @@ def stage_memory(args: ModelArgs, job_config, sh: Shape, names: list[str] | None
                   "dense_block": units["dense_block"] * gather_bytes, "moe_block": units["moe_block"] * gather_bytes,
                   "experts": units["experts"] // sh.ep * gather_bytes}
     aux_loss = job_config.moe.aux_loss_coeff > 0
+    selection = fp8_selection(job_config.fp8, MODULE_DEFAULTS)
     n_moe = sum(1 for i in layers if i >= args.n_dense_layers)
     rope_tables = 2 * args.max_seq_len * args.qk_rope_head_dim // 2 * _F32  # cos and sin
     return StageMemory(
-        blocks=[_block(args, i, sh, aux_loss, units, unit_bytes, shard, job_config.fp8) for i in layers],
+        blocks=[_block(args, i, sh, aux_loss, units, unit_bytes, shard, selection) for i in layers],
         first="tok_embeddings" in names, last="output" in names,
         embedding_kept=T * _I64, embedding_unit_bytes=unit_bytes["embedding"],
         head_kept=3 * T * D * a + T * V * _F32,  # final norm, output input, log_softmax out

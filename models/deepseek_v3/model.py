@@ -194,7 +194,7 @@ class DeepSeekV3Model(nn.Module):
     """The full model: `model(tokens [B, S]) -> logits [B, S, vocab]`.
 
     With `num_mtp_layers > 0` and in training mode, the MTP heads' logits are stacked after the main ones:
-    `[1 + num_mtp_layers, B, S, vocab]` (see `mtp.py` and the loss in `trainer/loss.py`).
+    `[1 + num_mtp_layers, B, S, vocab]` (see `mtp.py` and the loss in `core/loss.py`).
     """
 
     def __init__(self, args: ModelArgs):

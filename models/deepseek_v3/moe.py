@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.common.grouped_mm import QuantizedGroupedMM
-from models.common.recompute import in_recompute
-from models.common.token_dispatch import LocalTokenDispatcher, TokenDispatcher
+from core.quantization import QuantizedGroupedMM
+from core.recompute import in_recompute
+from core.token_dispatch import LocalTokenDispatcher, TokenDispatcher
 
 from .args import ModelArgs
 
@@ -102,7 +102,7 @@ class GroupedExperts(nn.Module):
     `use_grouped_mm` runs one `torch._grouped_mm` per projection over all experts (no host sync: offsets are a
     device tensor); otherwise a per-expert loop, the reference oracle, which reads the counts on the host.
     `quantized_mm` (None, or a lower-precision grouped GEMM set by a conversion such as FP8's, see
-    `models.common.grouped_mm`) replaces the grouped GEMMs.
+    `core.quantization`) replaces the grouped GEMMs.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool):

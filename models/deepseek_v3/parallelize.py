@@ -32,12 +32,14 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from models.common.grouped_mm import QUANTIZED_MM
-from parallelisms.activation_checkpoint import ScopeRule, apply_ac
+from core.names import ModuleDefaults
+from core.quantization import FP8_TILE, QUANTIZED_MM
+from parallelisms.activation_checkpoint.policy import ScopeRule, apply_ac
 from parallelisms.compile import CompileUnit, apply_compile
 from parallelisms.expert_parallel import apply_expert_parallel
-from parallelisms.fp8 import BLOCK, apply_fp8
 from parallelisms.fsdp import FSDPUnit, apply_fsdp
+from quantization.fp8.config import fp8_selection
+from quantization.fp8.convert import apply_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,16 @@ RECOMPUTE_MODULES: dict[str, tuple[ScopeRule, ...]] = {
     "shared_experts": (ScopeRule("moe.shared_experts"),),
 }
 
+#: DeepSeek-V3's choices where a config key that names modules says "default" (`core.names`).
+MODULE_DEFAULTS = ModuleDefaults(
+    # every linear of a block and the routed experts: the GEMMs of DeepSeek-V3's FP8 recipe
+    fp8_modules=("attention", "feed_forward", "moe.experts", "moe.shared_experts"),
+    # wkv_a's output, kv_lora_rank + qk_rope_head_dim = 576 in the DeepSeek flavors, is not a multiple of 128
+    fp8_exclude_modules=("attention.wkv_a",),
+    # the router's GEMM is tiny (tokens x experts): recomputing it costs less than keeping its output
+    force_recompute_modules=("moe.router.gate",),
+)
+
 _PER_EXPERT_LOOP = ("compiling the model needs moe.use_grouped_mm = true (the per-expert loop is the eager "
                     "reference path)")
 
@@ -71,7 +83,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job_config)
         # the backend's comm state is created here: never lazily inside a checkpointed region (torchtitan #2505)
         dtype = torch.bfloat16 if job_config.training.dtype == "bfloat16" else torch.float32
         apply_expert_parallel(model.moe_layers(), meshes.ep, par.expert_parallel_comm_backend, model.args.dim, dtype)
-    apply_fp8(model, job_config.fp8)
+    apply_fp8(named_blocks(model), fp8_selection(job_config.fp8, MODULE_DEFAULTS))
     if parallel_dims.ep_enabled:
         quantize_dispatch(model, job_config.fp8)
     checkpoint_model(model, job_config.activation_checkpoint)
@@ -89,7 +101,7 @@ def quantize_dispatch(model: nn.Module, fp8_cfg) -> int:
     if fp8_cfg.recipe != "blockwise" or not fp8_cfg.dispatch:
         return 0
     fp8_layers = [moe for moe in model.moe_layers() if getattr(moe.experts, QUANTIZED_MM, None) is not None]
-    quantized = sum(moe.dispatcher.quantize_wire(BLOCK) for moe in fp8_layers)
+    quantized = sum(moe.dispatcher.quantize_wire(FP8_TILE) for moe in fp8_layers)
     if fp8_layers:
         backend = type(fp8_layers[0].dispatcher).__name__
         logger.info("fp8 dispatch: %d of %d MoE layers with FP8 experts send e4m3 rows (%s)%s", quantized,
@@ -97,12 +109,18 @@ def quantize_dispatch(model: nn.Module, fp8_cfg) -> int:
     return quantized
 
 
+def named_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """The transformer blocks of a model part in forward order, by their names in the model: its layers, then the
+    MTP blocks."""
+    found = {f"layers.{key}": block for key, block in model.layers.items()}
+    if model.mtp is not None:
+        found.update({f"mtp.layers.{i}.block": mod.block for i, mod in enumerate(model.mtp.layers)})
+    return found
+
+
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a model part in forward order: its layers, then the MTP blocks."""
-    found = list(model.layers.values())
-    if model.mtp is not None:
-        found += [mod.block for mod in model.mtp.layers]
-    return found
+    return list(named_blocks(model).values())
 
 
 def _unwrap(block: nn.Module) -> nn.Module:
@@ -112,8 +130,9 @@ def _unwrap(block: nn.Module) -> nn.Module:
 # ----------------------------------------------------------------------------------------------- activation ckpt
 
 def checkpoint_model(model: nn.Module, ac_cfg) -> nn.Module:
-    """`apply_ac` on the layers (not the MTP blocks) with this model's recompute-name table; returns `model`."""
-    apply_ac(model.layers, ac_cfg, RECOMPUTE_MODULES)
+    """`apply_ac` on the layers (not the MTP blocks) with this model's recompute-name table and defaults; returns
+    `model`."""
+    apply_ac(model.layers, ac_cfg, RECOMPUTE_MODULES, MODULE_DEFAULTS.force_recompute_modules)
     return model
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from models.common.token_dispatch import Dispatched, TokenDispatcher, host_list
+from core.token_dispatch import Dispatched, TokenDispatcher, host_list
 from parallelisms.moe_comm.registry import register_comm_backend
 
 

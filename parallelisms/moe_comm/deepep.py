@@ -51,10 +51,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from models.common.token_dispatch import Dispatched, TokenDispatcher
-from parallelisms.fp8 import dequantize, quantize
+from core.token_dispatch import Dispatched, TokenDispatcher
+from quantization.fp8.quantize import dequantize, quantize
 from parallelisms.moe_comm import deepep_cpu
-from parallelisms.moe_comm.registry import register_comm_backend
+from parallelisms.moe_comm.registry import op_table, register_comm_backend
 
 __all__ = ["BUFFERS", "HANDLES", "BufferManager", "DeepEPDispatcher", "DeepEPState", "DeepEPUnavailableError",
            "HandleRegistry", "deepep_available"]
@@ -364,7 +364,8 @@ class DeepEPDispatcher(TokenDispatcher):
             if not ok:
                 return key, f"deepep on a CUDA machine: {why}", "alltoall, or deepep once deep_ep is installed"
         ac = job_config.activation_checkpoint
-        if ac.mode == "selective" and ("deepep_dispatch" in ac.save_ops) != ("deepep_combine" in ac.save_ops):
+        saved = op_table().save_ops(ac.save_ops)
+        if ac.mode == "selective" and ("deepep_dispatch" in saved) != ("deepep_combine" in saved):
             return ("activation_checkpoint.save_ops", "saves only one of deepep_dispatch / deepep_combine; a "
                     "recomputed dispatch needs its combine recomputed too", "both or neither")
         if job_config.compile.enable and "model" in job_config.compile.components:

@@ -34,10 +34,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from core.quantization import FP8_TILE
+
 __all__ = ["FP8_BLOCK", "Buffer", "Config", "EventOverlap"]
 
-#: FP8 dispatch: one fp32 scale per this many values of a row (DeepEP's kernels fix it at 128)
-FP8_BLOCK = 128
+#: FP8 dispatch: one fp32 scale per this many values of a row (DeepEP's kernels fix it at DeepSeek-V3's tile)
+FP8_BLOCK = FP8_TILE
 
 #: tokens a Config's buffers hold per channel and peer carry this much beyond the hidden bytes: top-k ids (int64)
 #: and weights (fp32) for up to 128 experts, 128 fp32 FP8 scales, and an 8-byte source record

@@ -8,35 +8,35 @@ A backend registers itself where it is defined::
 
 and everything else asks the registry: the config's choices (`COMM_BACKENDS`), expert parallelism
 (`get_comm_backend(name)(group, num_experts)`), the config validation (`config_problem`), the train loop's
-metrics (`metrics`). Activation checkpointing listens (`on_register`) to add the ops a backend contributes to its
-op table. The built-in backends register when `parallelisms.moe_comm` is imported; docs/architecture.md shows how
-to add one.
+metrics (`metrics`), and activation checkpointing, whose op table (`op_table()`) is derived from the backends
+registered when it is read. The built-in backends register when `parallelisms.moe_comm` is imported;
+docs/architecture.md shows how to add one.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import MappingProxyType
 from typing import TypeVar
 
-from models.common.token_dispatch import TokenDispatcher
+from core.token_dispatch import TokenDispatcher
+from parallelisms.activation_checkpoint.ops import OpTable
 
-__all__ = ["COMM_BACKENDS", "backend_save_ops", "get_comm_backend", "on_register", "register_comm_backend"]
+__all__ = ["COMM_BACKENDS", "get_comm_backend", "op_table", "register_comm_backend"]
 
 D = TypeVar("D", bound=type[TokenDispatcher])
 
 _BACKENDS: dict[str, type[TokenDispatcher]] = {}
 #: Live, read-only view of the registered backends by name (a backend registered later shows up at once).
 COMM_BACKENDS = MappingProxyType(_BACKENDS)
-_LISTENERS: list[Callable[[type[TokenDispatcher]], None]] = []
 
 
 def register_comm_backend(name: str) -> Callable[[D], D]:
     """Class decorator: make the TokenDispatcher subclass available as `expert_parallel_comm_backend = name`.
 
-    Registering the same class again is a no-op (a module imported twice); another class under a taken name is
-    a ValueError. The listeners (`on_register`) run before the name becomes visible, so a backend whose ops clash
-    with the op table is not registered at all.
+    Registering the same class again is a no-op (a module imported twice); another class under a taken name, or a
+    backend whose `ac_ops` names clash with the op table's, is a ValueError and is not registered.
     """
 
     def register(cls: D) -> D:
@@ -47,8 +47,7 @@ def register_comm_backend(name: str) -> Callable[[D], D]:
             return cls
         if current is not None:
             raise ValueError(f"comm backend {name!r} is already registered by {current.__qualname__}")
-        for listener in _LISTENERS:
-            listener(cls)
+        OpTable([*_BACKENDS.values(), cls])  # raises on a clash of op names
         _BACKENDS[name] = cls
         return cls
 
@@ -64,13 +63,11 @@ def get_comm_backend(name: str) -> type[TokenDispatcher]:
                          f"{', '.join(_BACKENDS)}") from None
 
 
-def on_register(listener: Callable[[type[TokenDispatcher]], None]) -> None:
-    """Call `listener(cls)` for every backend registered so far and for each one registered later."""
-    _LISTENERS.append(listener)
-    for cls in _BACKENDS.values():
-        listener(cls)
+def op_table() -> OpTable:
+    """The activation-checkpointing op table of the backends registered now (one table per set of backends)."""
+    return _op_table(tuple(_BACKENDS.values()))
 
 
-def backend_save_ops() -> list[str]:
-    """The op-table names every registered backend contributes (`TokenDispatcher.ac_ops`), in registration order."""
-    return [name for cls in _BACKENDS.values() for name in cls.ac_ops]
+@functools.cache
+def _op_table(backends: tuple[type[TokenDispatcher], ...]) -> OpTable:
+    return OpTable(backends)

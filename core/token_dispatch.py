@@ -1,7 +1,7 @@
 """The token dispatcher interface between the MoE layer and its communication backend.
 
-It lives with the models' building blocks so that a model's MoE calls it without importing the parallelisms, while
-the comm backends (`parallelisms/moe_comm/`) subclass it. `MoE.forward` calls `dispatch` after routing and `combine`
+It lives below the models and the parallelisms so that a model's MoE calls it without importing the parallelisms,
+while the comm backends (`parallelisms/moe_comm/`) subclass it. `MoE.forward` calls `dispatch` after routing and `combine`
 after the experts; what happens in between (nothing, or an exchange over the EP group) is the backend's business.
 The per-call state is returned by `dispatch` and handed back to `combine` explicitly: a backend never keeps it on
 `self`, so an activation-checkpoint recompute or a second pipeline microbatch cannot overwrite the state of another
@@ -10,9 +10,10 @@ call.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
+from torch import nn
 
 
 class Dispatched(NamedTuple):
@@ -146,3 +147,13 @@ class LocalTokenDispatcher(TokenDispatcher):
     def combine(self, y_ND, state: LocalState):
         # each token's top-k rows summed in expert order; in place on a fresh tensor (out of place would copy it)
         return y_ND.new_zeros(state.num_tokens, y_ND.shape[1]).index_add_(0, state.token_N, y_ND)
+
+
+class ExpertParallelLayer(Protocol):
+    """What expert parallelism needs of an MoE layer (`parallelisms.expert_parallel.apply_expert_parallel`): its
+    routed experts, whose direct parameters all have the expert dimension first (split over the EP ranks), and the
+    dispatcher its forward calls (replaced by the configured comm backend's)."""
+
+    experts: nn.Module
+    dispatcher: TokenDispatcher
+

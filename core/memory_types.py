@@ -1,0 +1,73 @@
+"""The types through which a model family describes its memory to the memory plan (`trainer/memory_plan.py`): the
+tensors one block creates in forward, its backward working sets and FSDP units, and the model part of one rank.
+
+A model spec's `memory_plan` hook returns a `StageMemory`; the plan sums it under the AC policy, the pipeline
+schedule, FSDP and the optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["BlockMemory", "Item", "Shape", "StageMemory"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One tensor a block creates in forward: its bytes, whether autograd keeps it without AC, and its op."""
+
+    name: str
+    nbytes: int
+    saved: bool  # kept for backward when the block is not checkpointed
+    op: str  # producing op as named in `save_ops` ("input", "other": ops no policy saves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the estimate needs about one forward of one microbatch."""
+
+    B: int
+    S: int
+    act: int  # bytes per activation element (2 for bf16, 4 for fp32)
+    device: str  # "cpu" or "cuda": which kernels run (e.g. attention with or without a score matrix)
+    ep: int
+
+    @property
+    def T(self) -> int:
+        return self.B * self.S
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMemory:
+    """One block of a model part, for one microbatch, as the model package describes it."""
+
+    layer: int
+    items: list[Item]  # what the block creates in forward; items[0] is the block input
+    ffn_saved: int  # saved bytes of the block's second half (the FFN), freed before the attention's backward
+    attn_ws: int  # backward working set of the attention
+    ffn_ws: int  # backward working set of the FFN (with any gradient all-to-all buffers)
+    unit_bytes: int  # the block's parameters as FSDP gathers them (experts: this rank's EP share)
+    grad_bytes: int  # this rank's fp32 gradients of the block
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """What the plan needs about the model part of one rank (the model spec's `memory_plan` builds it).
+
+    The embedding and head values are those of the model's; the plan counts them only where the part holds the
+    first (`first`) or the last (`last`) pipeline unit.
+    """
+
+    blocks: list[BlockMemory]
+    first: bool
+    last: bool
+    embedding_kept: int  # bytes the embedding keeps for backward
+    embedding_unit_bytes: int  # the embedding as FSDP gathers it
+    head_kept: int  # bytes the head (final norm, projection, log-softmax) keeps for backward
+    head_unit_bytes: int
+    head_grad_bytes: int  # this rank's fp32 gradients of the head
+    logits: tuple[int, int]  # (rows, vocabulary) of one microbatch's logits
+    hidden_bytes: int  # one hidden-state tensor of one microbatch
+    largest_local_param: int  # fp32 bytes of this rank's largest parameter tensor
+    buffer_bytes: int
+    ep_buffers: int  # expert-parallel communication buffers (0 without EP)

@@ -1,0 +1,55 @@
+"""What FP8 costs and what it runs, for the memory plan and the FLOP count: the extra backward bytes of one emulated
+FP8 GEMM, and the FLOPs per token a selection runs as FP8 GEMMs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from quantization.fp8.config import Fp8Selection
+from quantization.fp8.quantize import QDQ_WORK_BYTES
+
+__all__ = ["fp8_flops_per_token", "gemm_backward_extra_bytes"]
+
+
+def gemm_backward_extra_bytes(recipe: str, rows: int, in_features: int, out_features: int, act_bytes: int,
+                              experts: int = 0) -> int:
+    """Peak bytes the backward of one emulated FP8 GEMM allocates beyond the high-precision GEMM's backward (whose
+    peak is its two gradients), for the memory plan.
+
+    x [rows, in], W [out, in] (a linear, `experts` = 0) or [experts, out, in] (grouped), dY [rows, out], in the
+    compute dtype of `act_bytes` per element. The peak is the largest of the backward's phases, in the order
+    `gemms._Fp8LinearFn.backward` / `gemms._Fp8GroupedMMFn.backward` run them: each quantise-dequantise of an operand peaks at
+    `QDQ_WORK_BYTES` per element (its result included), while the copies made before it are still held. Measured
+    against the exact tracker within 1% (docs/fp8.md, "Memory"). Rowwise linears are torchao's; they are planned
+    as ours.
+    """
+    a, qdq = act_bytes, QDQ_WORK_BYTES
+    x, dy = rows * in_features, rows * out_features
+    w = max(experts, 1) * in_features * out_features
+    if not experts:
+        phases = (qdq * dy,  # dgrad: dY quantised
+                  a * dy + qdq * w,  # W^T quantised, dY's copy held
+                  a * (dy + w + x),  # the dgrad GEMM: both copies and dx
+                  a * x + qdq * dy,  # wgrad: dY^T quantised, dx held
+                  a * (x + dy) + qdq * x,  # x^T quantised
+                  a * (2 * x + dy + w))  # the wgrad GEMM: both copies, dx and dW
+    else:
+        # the rowwise experts' wgrad quantises per expert segment: its working memory comes on top of its result
+        wq = qdq if recipe == "blockwise" else qdq + a
+        held = a * (dy + w)  # the zero-tailed dY and W^T's dequantised copy, held throughout
+        phases = (a * dy + (a + qdq) * w,  # W^T: reshaped into a copy, then quantised
+                  held + qdq * dy,  # dgrad: dY quantised
+                  held + a * (dy + x),  # the dgrad GEMM
+                  held + a * x + wq * dy,  # wgrad: dY^T quantised, dx held
+                  held + a * (x + dy) + wq * x,  # x^T quantised
+                  held + a * (dy + 2 * x + 2 * w),  # the wgrad GEMM, and dW with its empty experts zeroed
+                  held + a * (dy + 3 * x + w))  # dx with its padding rows zeroed
+    return max(phases) - a * (x + w)
+
+
+def fp8_flops_per_token(selection: Fp8Selection, module_flops: Mapping[str, float]) -> float:
+    """The training FLOPs per token that the selection runs as FP8 GEMMs: the sum over the modules it selects of a
+    model's {block-relative FQN: FLOPs per token} table (a model spec's `module_flops`); 0 for recipe none."""
+    if selection.recipe == "none":
+        return 0.0
+    return sum(flops for fqn, flops in module_flops.items() if selection.selects(fqn))

@@ -1,0 +1,61 @@
+"""`apply_fp8`: convert the selected modules of the blocks a model's parallelize plan hands in.
+
+It runs in the plan after expert parallelism and before activation checkpointing, compile and FSDP. Linears are
+replaced by an FP8 linear holding the same weight Parameter (blockwise: `gemms.Fp8Linear`; rowwise: torchao's
+`Float8Linear`, an optional dependency); grouped experts get an `Fp8GroupedMM` as their quantized grouped GEMM
+(`core.quantization`). Parameters keep their objects and names, so checkpoints hold the same high-precision master
+weights whatever the recipe (a run can switch recipes across a resume).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+
+from torch import nn
+
+from core.quantization import QUANTIZED_MM
+from quantization.fp8.config import Fp8Selection, selected_modules
+from quantization.fp8.gemms import Fp8GroupedMM, Fp8Linear
+
+__all__ = ["apply_fp8"]
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _torchao_rowwise_config():
+    from torchao.float8 import Float8LinearConfig  # optional dependency: only the rowwise recipe needs it
+
+    return Float8LinearConfig.from_recipe_name("rowwise")
+
+
+def _convert_linear(linear: nn.Linear, recipe: str) -> nn.Module:
+    if recipe == "blockwise":
+        return Fp8Linear.from_linear(linear)
+    from torchao.float8.float8_linear import Float8Linear  # optional dependency, see _torchao_rowwise_config
+
+    return Float8Linear.from_float(linear, config=_torchao_rowwise_config())
+
+
+def apply_fp8(blocks: Mapping[str, nn.Module], selection: Fp8Selection) -> list[str]:
+    """Convert the modules `selection` selects in each block of `blocks` ({name in the model: block}) in place.
+
+    Returns the converted modules' names (`<block name>.<block-relative FQN>`); [] for recipe none.
+    """
+    if selection.recipe == "none":
+        return []
+    converted = []
+    for block_name, block in blocks.items():
+        for fqn, module in selected_modules(selection, [block]).items():
+            if isinstance(module, nn.Linear):
+                parent_name, _, leaf = fqn.rpartition(".")
+                parent = block.get_submodule(parent_name) if parent_name else block
+                parent.register_module(leaf, _convert_linear(module, selection.recipe))
+            else:
+                setattr(module, QUANTIZED_MM, Fp8GroupedMM(selection.recipe))
+            converted.append(f"{block_name}.{fqn}")
+    logger.info("fp8 %s: %d modules converted (%s, ...)", selection.recipe, len(converted),
+                ", ".join(converted[:4]))
+    return converted

@@ -1,0 +1,139 @@
+"""FP8 quantisation: e4m3 values with one power-of-two fp32 scale per tile, and the quantise-dequantise a GEMM
+emulating e4m3 inputs multiplies (`_qdq`, a custom op under torch.compile).
+
+The tiles of each recipe (docs/fp8.md): blockwise quantises activations and output gradients in 1 x `BLOCK` tiles
+along the contraction dimension and weights in `BLOCK` x `BLOCK` blocks; rowwise uses one scale per row. Scales are
+powers of two (the smallest with amax / scale <= 448), so scaling is exact and a dequantised value is exactly
+representable in bf16 as well as fp32. FP8 dispatch (the comm backends) sends e4m3 rows in the same 1 x `BLOCK`
+tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core.quantization import FP8_TILE
+
+__all__ = ["BLOCK", "E4M3", "E4M3_MAX", "QDQ_WORK_BYTES", "ROWWISE_ALIGN", "dequantize", "dequantize_segments",
+           "qdq_activation", "qdq_weight", "quantize", "quantize_segments"]
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+BLOCK = FP8_TILE
+#: every dim of a rowwise GEMM operand must be a multiple of this (torch._scaled_mm's constraint on CUDA)
+ROWWISE_ALIGN = 16
+#: peak bytes per element that `_qdq` allocates besides its input, its result included: fp32 tiles + e4m3 copy
+QDQ_WORK_BYTES = 5
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two s with amax / s <= 448 (1 where amax is 0), in fp32."""
+    mantissa, exponent = torch.frexp(amax.float() / E4M3_MAX)
+    # frexp gives m in [0.5, 1): s = m 2^e rounds up to 2^e, unless it already is a power of two (m = 0.5)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
+    return torch.where(amax > 0, torch.ldexp(torch.ones_like(mantissa), exponent), 1.0)
+
+
+def _tiles(t: torch.Tensor, tile_rows: int, tile_cols: int) -> torch.Tensor:
+    """[R, C] as a new fp32 tensor of tiles [R / tile_rows, tile_rows, C / tile_cols, tile_cols], zero-padded at
+    the ends. Always a fresh buffer (never `t` itself), so callers may scale it in place."""
+    R, C = t.shape
+    pad_r, pad_c = -R % tile_rows, -C % tile_cols
+    out = t.new_zeros(R + pad_r, C + pad_c, dtype=torch.float32) if pad_r or pad_c else \
+        t.new_empty(R, C, dtype=torch.float32)
+    out[:R, :C] = t
+    return out.view((R + pad_r) // tile_rows, tile_rows, -1, tile_cols)
+
+
+def _tile_amax(tiles: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """max |x| per tile; the inf-norm reduces without the tensor-sized temporary that abs().amax() makes."""
+    return torch.linalg.vector_norm(tiles, ord=float("inf"), dim=(1, 3), keepdim=keepdim)
+
+
+def quantize(t: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a 2-D tensor [R, C] to e4m3 with one fp32 scale per tile of tile_rows x tile_cols.
+
+    Returns (q [R, C] float8_e4m3fn, scale [ceil(R / tile_rows), ceil(C / tile_cols)] fp32) with
+    t ~= q * scale of its tile. Partial tiles at the ends are scaled by the values they hold.
+    """
+    R, C = t.shape
+    tiles = _tiles(t, tile_rows, tile_cols)
+    scale = _pow2_scale(_tile_amax(tiles))
+    q = tiles.div_(scale[:, None, :, None]).to(E4M3)
+    return q.view(-1, q.shape[2] * tile_cols)[:R, :C], scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, tile_rows: int, tile_cols: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale of its tile, in `dtype` (exact in fp32 and bf16: e4m3 values times a power of two)."""
+    R, C = q.shape
+    tiles = _tiles(q, tile_rows, tile_cols).to(dtype)
+    return (tiles * scale[:, None, :, None].to(dtype)).view(-1, tiles.shape[2] * tile_cols)[:R, :C]
+
+
+def quantize_segments(t: torch.Tensor, segment_C: torch.Tensor, num_segments: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise [R, C] with one fp32 scale per row and column segment (`segment_C[c]` in [0, num_segments)).
+
+    The rowwise recipe's expert weight gradients contract over each expert's own tokens: one scale per output
+    channel and expert. Returns (q [R, C] e4m3, scale [R, num_segments]).
+    """
+    # max |t| per segment from the segments' max and min: no tensor-sized abs() or float() copy of t
+    index = segment_C.expand(t.shape)
+    high = t.new_zeros(t.shape[0], num_segments).scatter_reduce_(1, index, t, "amax")
+    low = t.new_zeros(t.shape[0], num_segments).scatter_reduce_(1, index, t, "amin")
+    scale = _pow2_scale(torch.maximum(high, -low))
+    scaled = scale.index_select(1, segment_C)  # one fp32 buffer: each element's scale, then the scaled value
+    return torch.div(t, scaled, out=scaled).to(E4M3), scale
+
+
+def dequantize_segments(q: torch.Tensor, scale: torch.Tensor, segment_C: torch.Tensor,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of `quantize_segments`, in `dtype`."""
+    # exact in place: e4m3 values times a power of two are representable in bf16 as in fp32
+    return q.to(dtype).mul_(scale.index_select(1, segment_C))
+
+
+def _qdq(t: torch.Tensor, tile_rows: int, tile_cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Quantise and dequantise [R, C] (the operand a GEMM emulating e4m3 inputs multiplies), in one pass over
+    the tiles: `dequantize(*quantize(t, ...), ...)` without materialising the e4m3 tensor's layout twice.
+
+    Memory beyond t: the fp32 tiles (4 bytes per element, scaled in place) and the e4m3 copy (1), then the e4m3
+    copy and the result (at most 4): `QDQ_WORK_BYTES` per element at the peak (docs/fp8.md, "Memory"). Under torch.compile
+    it is the custom op `_qdq_op`."""
+    if torch.compiler.is_compiling():
+        return _qdq_op(t, tile_rows, tile_cols, dtype)
+    R, C = t.shape
+    tiles = _tiles(t, tile_rows, tile_cols)
+    scale = _pow2_scale(_tile_amax(tiles, keepdim=True))
+    q = tiles.div_(scale).to(E4M3)
+    del tiles  # freed before the dequantised copy exists
+    deq = q.to(dtype).mul_(scale.to(dtype))
+    return deq.view(-1, q.shape[2] * tile_cols)[:R, :C]
+
+
+@torch.library.custom_op("dsv3_fp8::qdq", mutates_args=())
+def _qdq_op(t: torch.Tensor, tile_rows: int, tile_cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """`_qdq` as one opaque kernel for torch.compile: inductor's CPU code generation fails on block graphs that
+    fuse its tilings with their neighbours (an assertion in its loop split, torch 2.13). Eager code calls `_qdq`
+    itself, so that exact memory tracking sees its working memory (a dispatch mode sees a custom op's inner ops
+    not at all)."""
+    return _qdq(t, tile_rows, tile_cols, dtype).contiguous()
+
+
+@_qdq_op.register_fake
+def _(t: torch.Tensor, tile_rows: int, tile_cols: int, dtype: torch.dtype) -> torch.Tensor:
+    return t.new_empty(t.shape, dtype=dtype)
+
+
+def qdq_activation(t: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
+    """An activation-like operand [R, K] (input, output gradient), K last: 1 x 128 tiles or one scale per row."""
+    return _qdq(t, 1, BLOCK if recipe == "blockwise" else t.shape[-1], dtype)
+
+
+def qdq_weight(w: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
+    """A weight operand [..., N, K], K last: 128 x 128 blocks or one scale per row (per matrix of a stack)."""
+    w2 = w.reshape(-1, w.shape[-1])  # blocks never straddle two experts: N is a multiple of 128 (validated)
+    if recipe == "blockwise":
+        return _qdq(w2, BLOCK, BLOCK, dtype).view(w.shape)
+    return _qdq(w2, 1, w.shape[-1], dtype).view(w.shape)
