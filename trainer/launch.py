@@ -176,6 +176,7 @@ class _Watch:
         self._thread.start()
 
     def on_signal(self, signum: int, frame) -> None:
+        """SIGTERM or SIGUSR1 to the launcher: passed on to the ranks; a second SIGTERM kills them."""
         if signum == signal.SIGTERM:
             now = time.monotonic()
             if self._first_term_at is None:
@@ -202,6 +203,7 @@ class _Watch:
                 pass
 
     def close(self) -> None:
+        """Stop polling."""
         self._done.set()
         self._thread.join(timeout=2 * self.POLL_S)
 
