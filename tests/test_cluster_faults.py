@@ -276,15 +276,17 @@ def test_a_second_sigterm_ends_the_job_at_once(tmp_path):
 @pytest.mark.slow
 def test_a_second_sigterm_ends_a_rank_blocked_in_a_c_call():
     """The rank's own path: its main thread waits in C++ (a future that never completes, as a collective waiting
-    for a hung peer), where Python runs no signal handler; the first SIGTERM is recorded, the second ends the
-    process at once with 143 and one line."""
+    for a hung peer), where Python runs no signal handler. The first SIGTERM is recorded, and so is a copy right
+    after it (SLURM signals every process and the launcher passes its own on); a second one later ends the process
+    at once with 143 and one line."""
     script = ("import signal\nfrom trainer.preemption import listen\nlisten([signal.SIGTERM])\nimport torch\n"
               "print('waiting', flush=True)\ntorch.futures.Future().wait()\n")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "waiting\n"
     proc.send_signal(signal.SIGTERM)
-    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(2)
     assert proc.poll() is None
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -337,6 +339,42 @@ def test_a_stopped_rank_0_is_named_by_rank_1(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- one process
+
+def test_the_watchdog_names_a_rank_without_heartbeat_a_rank_behind_or_the_point_all_ranks_are_at(monkeypatch):
+    """Rank 0's watchdog in one process, over an in-memory store: rank 1 never writes a heartbeat (it counts as
+    silent since the watchdog started, instead of stopping the watchdog); positions name the rank behind, or the
+    point where every rank is."""
+    import torch.distributed as dist
+
+    from trainer.watchdog import Heartbeat, _Seen
+
+    monkeypatch.setattr(Heartbeat, "PERIOD", 0.05)
+    lines = []
+    heartbeat = Heartbeat(dist.HashStore(), 0, 2, timeout=0.3, local_rank=0, on_hung=lines.append)
+    deadline = time.monotonic() + 30
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    heartbeat.close()
+    assert lines and re.fullmatch(r"training error: rank 1 \(before its first heartbeat, silent \d+ s\) stopped making "
+                                  r"progress while rank 0 is in step 0: no heartbeat for more than "
+                                  r"comm.init_timeout_seconds = 0.3 s \(stopped, frozen or holding the interpreter\); "
+                                  r"ending the job", lines[0]), lines
+
+    def seen(position, point):
+        return _Seen(beat=5, position=position, step=7, point=point, watches=True, beat_at=99.0, advanced_at=90.0)
+
+    heartbeat.timeout = 5
+    behind = [seen(3, "optimizer"), seen(2, "reading its batch"), seen(3, "optimizer"), seen(2, "reading its batch")]
+    named, line = heartbeat.verdict(behind, now=100.0)
+    assert named == [1, 3] and line.startswith("training error: ranks 1, 3 stopped making progress in step 7 "
+                                               "(reading its batch) while rank 0 is in step 7 (optimizer): no rank "
+                                               "advanced for more than comm.init_timeout_seconds = 5 s"), line
+    named, line = heartbeat.verdict([seen(3, "optimizer")] * 2, now=100.0)
+    assert named == [] and line.startswith("training error: no rank advanced for more than comm.init_timeout_seconds "
+                                           "= 5 s: all 2 ranks are in step 7 (optimizer)"), line
+    assert heartbeat.verdict([seen(3, "optimizer")] * 2, now=94.0) is None  # advanced 4 s ago
+
+
 
 @pytest.mark.slow
 def test_damaged_checkpoints_are_skipped_refused_by_name_and_never_kept_in_place_of_an_intact_one(tmp_path, caplog):

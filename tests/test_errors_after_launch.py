@@ -13,14 +13,14 @@ import subprocess
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOG_RECORD = re.compile(r"^\d\d:\d\d:\d\d (INFO|WARNING) ")
+LOG_RECORD = re.compile(r"^(\[rank \d+\] )?\d\d:\d\d:\d\d (INFO|WARNING) ")  # ranks other than 0 name themselves
 SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "1", "--memory.track", "off",
          "--validation.enable", "false", "--metrics.enable_tensorboard", "false"]
 
 
-def run_train(tmp_path, *args, ngpu: int = 1) -> subprocess.CompletedProcess:
+def run_train(tmp_path, *args, ngpu: int = 1, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["./run_train.sh", *SMALL, "--job.dump_folder", str(tmp_path / "dump"), *args], cwd=REPO,
-                          env=dict(os.environ, NGPU=str(ngpu)), capture_output=True, text=True, timeout=600)
+                          env=dict(os.environ, NGPU=str(ngpu), **env), capture_output=True, text=True, timeout=600)
 
 
 def assert_ends_with_one_line(result, code: int, *contains: str) -> str:
@@ -133,3 +133,77 @@ def test_broken_json_row_names_its_line_and_document_in_one_line(tmp_path):
                              str(data)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert_ends_with_one_line(result, 2, "line 31 (document 30) is not valid JSON")
     assert result.stderr.count("\n") == 1  # preflight: nothing but the line
+
+
+LEAKY_RANK = '''
+"""Imported at interpreter start (sitecustomize): the torchrun worker whose RANK is LEAK_RANK keeps 1 MiB more
+alive after every training batch it reads, a leak the trainer knows nothing about."""
+import os
+
+if "LEAK_RANK" in os.environ and os.environ.get("RANK") == os.environ["LEAK_RANK"]:
+    import torch
+
+    from trainer import data
+
+    kept = []
+    next_batch = data.PackedDataLoader.next_batch
+
+    def leaky_next_batch(self):
+        kept.append(torch.empty(1 << 18))
+        return next_batch(self)
+
+    data.PackedDataLoader.next_batch = leaky_next_batch
+'''
+
+
+@pytest.mark.slow
+def test_leak_on_one_rank_stops_the_run_with_one_line_after_logging_the_alarm(tmp_path):
+    """Rank 1 of 2 leaks 1 MiB per step (a module patched in at interpreter start, not a hook of the trainer); with
+    memory.fail_on_leak the run ends with the leak's line naming the rank, exit code 1, and rank 1's tensorboard
+    already holds the alarm's step."""
+    from trainer.leak_detector import ALARM_TAG, SLOPE_TAG
+    from trainer.metrics import read_scalars, run_dirs
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(LEAKY_RANK)
+    result = run_train(tmp_path, "--training.steps", "10", "--model.n_layers", "1", "--memory.track", "exact",
+                       "--memory.fail_on_leak", "true", "--memory.leak_warmup_steps", "1", "--memory.leak_window", "3",
+                       "--memory.dump_on_leak", "false", "--metrics.enable_tensorboard", "true",
+                       "--metrics.save_for_all_ranks", "true",
+                       ngpu=2, LEAK_RANK="1", PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), REPO]))
+    # the alarm: warm-up 1 + window 3 + the confirmation span 1 - 1 = step 4
+    assert_ends_with_one_line(result, 1, "run failed on rank 1: training error: memory leak: memory allocated at step "
+                              "end grows 1 MiB/step (Theil-Sen slope over steps 2-4",
+                              "set memory.fail_on_leak = false to only warn")
+    scalars = read_scalars(os.path.join(run_dirs(str(tmp_path / "dump" / "tb"))[-1], "rank_1"))
+    assert scalars[ALARM_TAG] == [(4, 1.0)]
+    assert scalars[SLOPE_TAG][-1] == (4, 1.0) and max(step for step, _ in scalars["loss"]) == 4
+
+
+def test_save_ops_warning_at_start_names_only_a_users_list_with_ops_this_run_never_runs(tmp_path, caplog):
+    """README: only a save_ops list other than the default is judged; a name the device, dtype or EP setup never
+    dispatches is named at start (model-dependent names such as max are not judged), and a list left with nothing
+    that saves adds that every op is recomputed as with full AC."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trainer.job_config import load_config, validate_job
+    from trainer.train import _warn_settings_without_effect
+
+    def warnings(*args: str) -> list[str]:
+        cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder",
+                           str(tmp_path), "--activation_checkpoint.mode", "selective", *args])
+        caplog.clear()
+        _warn_settings_without_effect(SimpleNamespace(cfg=cfg, dims=validate_job(cfg, 1)), torch.device("cpu"))
+        return [record.getMessage() for record in caplog.records]
+
+    assert warnings() == []  # the default list names ops of every device and layout on purpose
+    assert warnings("--activation_checkpoint.save_ops", "mm,max") == []
+    assert warnings("--activation_checkpoint.save_ops", "mm,attention,all_to_all") == [
+        "activation_checkpoint.save_ops: 'attention' saves nothing here (on CPU in float32 attention takes SDPA's "
+        "math path: its bmm count as 'mm' and its softmax as 'softmax', no fused attention op runs); 'all_to_all' "
+        "saves nothing here (no expert parallelism (parallelism.expert_parallel_degree = 1) exchanges no tokens)"]
+    assert warnings("--activation_checkpoint.save_ops", "mm,attention", "--training.dtype", "bfloat16") == []
+    alone, = warnings("--activation_checkpoint.save_ops", "attention")
+    assert alone.endswith('every op is recomputed as with mode = "full", at the higher cost of the selective policy')

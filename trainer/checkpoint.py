@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from core.config import ConfigError, option
 from trainer.lr_schedule import WarmupDecayLR
-from trainer.preemption import parse_signals
+from trainer.preemption import DEFAULT_SIGNALS, parse_signals
 
 
 @dataclass
@@ -70,7 +70,7 @@ class CheckpointSection:
     (initial_load_path only) weights the checkpoint lacks keep their initialisation; a warning names both. Off,
     either is an error before launch."""
 
-    preemption_signals: list[str] = option(["TERM", "USR1"])
+    preemption_signals: list[str] = option(list(DEFAULT_SIGNALS))
     """Signals that end the run with a checkpoint of its last finished step, saved even when enable is false (see
     trainer/preemption.py); empty: none (the signals keep their default action)."""
 

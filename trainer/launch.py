@@ -13,8 +13,9 @@ launcher exits with the failing rank's code:
 SIGTERM and SIGUSR1 reaching the launcher (the process a scheduler signals) are passed on to every rank, which
 saves a checkpoint and exits 0 (trainer/preemption.py); every rank leaves its preemption line in the launcher's
 folder (`LAUNCH_DIR_ENV`, one per launcher, so one per node), and the launcher prints the line of its lowest rank
-and exits with 75 (`EXIT_PREEMPTED`): requeue and run the same command. A second SIGTERM kills the ranks at once
-(SIGKILL: a rank blocked in a C call or holding the interpreter cannot act on a signal) and ends with 143.
+and exits with 75 (`EXIT_PREEMPTED`): requeue and run the same command. A second SIGTERM (1 s or more after the first)
+kills the ranks at once (SIGKILL: a rank blocked in a C call or holding the interpreter cannot act on a signal) and
+ends with 143.
 
 A hung rank (trainer/watchdog.py): the rank that reports it leaves a `hung` marker in the same folder; the launcher
 then kills every process it started, and theirs, at once with SIGKILL instead of torchrun's SIGTERM and 30 s wait
@@ -49,6 +50,9 @@ EXIT_PREEMPTED = 75
 """Exit code of `trainer.launch` after a preemption checkpoint (EX_TEMPFAIL: requeue and run the same command)."""
 EXIT_SECOND_SIGTERM = 128 + signal.SIGTERM
 """Exit code of a rank, and of `trainer.launch`, after a second SIGTERM: no checkpoint was waited for."""
+SECOND_SIGTERM_AFTER_S = 1.0
+"""A SIGTERM counts as the second one only this long after the first: SLURM signals every process of a job step,
+so a rank gets the scheduler's SIGTERM and the launcher's copy of it within milliseconds, which is one request."""
 LAUNCH_DIR_ENV = "TRAINER_LAUNCH_DIR"
 """Environment variable the launcher sets for its ranks: a folder of its own where they leave markers for it."""
 PREEMPTED_PREFIX = "preempted-"
@@ -164,16 +168,22 @@ class _Watch:
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
-        self.terms = 0
+        self.terms = 0  # second SIGTERMs
+        self._first_term_at: float | None = None
         self.hung: dict | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="launch-watch", daemon=True)
         self._thread.start()
 
     def on_signal(self, signum: int, frame) -> None:
+        """SIGTERM or SIGUSR1 to the launcher: passed on to the ranks; a second SIGTERM kills them."""
         if signum == signal.SIGTERM:
-            self.terms += 1
-            if self.terms > 1:  # the scheduler will not wait: nothing is saved, nothing is left running
+            now = time.monotonic()
+            if self._first_term_at is None:
+                self._first_term_at = now
+            elif now - self._first_term_at >= SECOND_SIGTERM_AFTER_S:
+                self.terms += 1
+            if self.terms:  # the scheduler will not wait: nothing is saved, nothing is left running
                 _signal_all(_descendants(), signal.SIGKILL)
                 return
         _signal_all(_children(), signum)
@@ -193,12 +203,13 @@ class _Watch:
                 pass
 
     def close(self) -> None:
+        """Stop polling."""
         self._done.set()
         self._thread.join(timeout=2 * self.POLL_S)
 
     def failure_line(self, error) -> tuple[str, int]:
         """The last line and exit code of a failed run (torchrun's `ChildFailedError`)."""
-        if self.terms > 1:
+        if self.terms:
             return ("run ended by a second SIGTERM: the ranks were killed at once, without a checkpoint (the last "
                     "published checkpoint stays the latest)"), EXIT_SECOND_SIGTERM
         if self.hung is not None:

@@ -17,13 +17,14 @@ finished yet, logs the times from the signal to the saved checkpoint and to the 
 `trainer.launch` (every rank, so that the launcher of every node sees it), and the process exits 0: torchrun sees
 a finished worker and does not restart it. `trainer.launch` then ends with `EXIT_PREEMPTED`, 75 (docs/errors.md).
 
-A second SIGTERM exits at once (exit code 143). Python runs a signal handler only in the main thread, between
-bytecodes, so a main thread blocked in a C call (a collective waiting for a peer, a device sync) would not run it
-before that call returns. Each signal is therefore also written, by the C-level handler, into a pipe
-(`signal.set_wakeup_fd`) read by a thread of its own; that thread counts the SIGTERMs and ends the process at the
-second, whatever the main thread is doing (blocked C calls release the interpreter). A rank whose main thread holds
-the interpreter cannot run even that thread: `trainer.launch` kills the ranks with SIGKILL when it gets a second
-SIGTERM itself.
+A second SIGTERM exits at once (exit code 143); one that comes within `SECOND_SIGTERM_AFTER_S` (1 s) of the first
+preemption signal is the same request reaching the rank twice (SLURM signals every process of a job step, and the
+launcher passes its own copy on). Python runs a signal handler only in the main thread, between bytecodes, so a
+main thread blocked in a C call (a collective waiting for a peer, a device sync) would not run it before that call
+returns. Each signal is therefore also written, by the C-level handler, into a pipe (`signal.set_wakeup_fd`) read
+by a thread of its own; that thread tells the second SIGTERM and ends the process, whatever the main thread is
+doing (blocked C calls release the interpreter). A rank whose main thread holds the interpreter cannot run even
+that thread: `trainer.launch` kills the ranks with SIGKILL when it gets a second SIGTERM itself.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import sys
 import threading
 import time
 
-from trainer.launch import EXIT_SECOND_SIGTERM, write_error_line
+from trainer.launch import EXIT_SECOND_SIGTERM, SECOND_SIGTERM_AFTER_S, write_error_line
 
 __all__ = ["DEFAULT_SIGNALS", "Preemption", "PreemptedError", "Stop", "listen", "parse_signals", "stop_listening"]
 
@@ -79,7 +80,7 @@ class _Recorder:
         self._saved_wakeup: int | None = None
         self._pipe: tuple[int, int] | None = None
         self._reader: threading.Thread | None = None
-        self._seen = 0  # preemption signals the reader has seen
+        self._first_seen_at: float | None = None  # when the reader saw the first preemption signal
 
     def listen(self, signals: list[signal.Signals]) -> None:
         if signals and threading.current_thread() is not threading.main_thread():
@@ -125,7 +126,7 @@ class _Recorder:
         os.set_blocking(write_fd, False)  # the C-level handler must never block
         self._pipe = (read_fd, write_fd)
         self._saved_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        self._seen = 0
+        self._first_seen_at = None
         self._reader = threading.Thread(target=self._read, args=(read_fd,), name="preemption-signals", daemon=True)
         self._reader.start()
 
@@ -147,9 +148,11 @@ class _Recorder:
                     return
                 if signum not in self.signals:
                     continue  # another handler's signal (SIGINT...)
-                if signum == signal.SIGTERM and self._seen:
+                now = time.monotonic()
+                if self._first_seen_at is None:
+                    self._first_seen_at = now
+                elif signum == signal.SIGTERM and now - self._first_seen_at >= SECOND_SIGTERM_AFTER_S:
                     _exit_at_once()
-                self._seen += 1
                 self._record(signum)
 
 

@@ -11,12 +11,13 @@ Liveness. Every rank runs a daemon thread that writes `<beat> <position> <step> 
 holds the interpreter stops beating. A rank blocked in a call that releases the interpreter (a hung file system
 read, a device sync, a collective) keeps beating but no longer advances.
 
-Watching. The ranks with local rank 0 and 1 (two per node: a stopped rank 0 is seen by rank 1) read every heartbeat
-once a second and note, on their own clock, when each rank last beat and last advanced. When a rank has not beaten
-for longer than the timeout of the phase (the init timeout until the first steps are done, the train timeout
-after), it is named as silent; a rank that never wrote a heartbeat counts as silent since the watcher started. When
-no rank advanced for longer than the timeout, the ranks at the lowest position are named as behind; when every rank
-is at the same position, the line says that no rank advanced and where they all are.
+Watching. The ranks with local rank 0 and 1 read every heartbeat once a second and note, on their own clock, when
+each rank last beat and last advanced. Two per node, not every rank: a stopped rank 0 is seen by rank 1 and a
+frozen node by the other nodes, while the store serves 2 x nodes x world reads a second instead of world squared.
+When a rank has not beaten for longer than the timeout of the phase (the init timeout until the first steps are
+done, the train timeout after), it is named as silent; a rank that never wrote a heartbeat counts as silent since
+the watcher started. When no rank advanced for longer than the timeout, the ranks at the lowest position are named
+as behind; when every rank is at the same position, the line says that no rank advanced and where they all are.
 
 Ending. The lowest watching rank that is not named reports (another watcher takes over when that one has not done
 so three periods later): one line on its stderr and in its torchrun error file, the line under `hung` in the store
@@ -125,6 +126,7 @@ class Heartbeat:
 
     @property
     def step(self) -> int:
+        """The step this rank is in."""
         return self._at[1]
 
     def advance(self, point: str, step: int | None = None) -> None:

@@ -360,7 +360,7 @@ def compare_checkpoint(path: str | Path, args: ModelArgs
                     shape, wanted = tuple(f.get_slice(key).get_shape()), _slot_shape(key_map[key], expected)
                     if shape != wanted:
                         reshaped[key] = (shape, wanted)
-    return missing, extra, {key: reshaped[key] for key in key_map if key in reshaped}  # in checkpoint order
+    return missing, extra, {key: reshaped[key] for key in key_map if key in reshaped}  # in the model's order
 
 
 def _slot_shape(target: KeyTarget, expected: dict[str, torch.Size]) -> tuple[int, ...]:
