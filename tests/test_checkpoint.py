@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from trainer.checkpoint import list_checkpoints
+from trainer.checkpoint.files import list_checkpoints
 from trainer.job_config import load_config
 from trainer.train import TrainingError, Trainer, prepare, run
 

@@ -383,7 +383,7 @@ def test_damaged_checkpoints_are_skipped_refused_by_name_and_never_kept_in_place
     next save keeps the new checkpoint (the newest by step is the damaged one)."""
     import shutil
 
-    from trainer.checkpoint import latest_checkpoint, list_checkpoints
+    from trainer.checkpoint.files import latest_checkpoint, list_checkpoints
     from core.config import ConfigError
     from trainer.job_config import load_config
     from trainer.train import prepare, run
@@ -456,8 +456,9 @@ def _worker(jobs_path: str, out_path: str) -> None:
     import torch.distributed.checkpoint.filesystem as dcp_fs
     from dist_worker import worker_session
 
-    import trainer.checkpoint as checkpoint
-    from trainer.checkpoint import PREEMPTED_MARKER, CheckpointSaveError
+    import trainer.checkpoint.manager as checkpoint_manager
+    from trainer.checkpoint.files import PREEMPTED_MARKER
+    from trainer.checkpoint.manager import CheckpointSaveError
     from trainer.job_config import load_config
     from trainer.train import Trainer, run
 
@@ -498,7 +499,7 @@ def _worker(jobs_path: str, out_path: str) -> None:
             elif name == "no_rename":
                 os.rename = no_rename
             elif name == "no_marker":
-                checkpoint.open, Trainer.train_step = no_marker, signalled_step
+                checkpoint_manager.open, Trainer.train_step = no_marker, signalled_step
             try:
                 run(load_config(args), shutdown=False)
                 error = None
@@ -507,7 +508,7 @@ def _worker(jobs_path: str, out_path: str) -> None:
             finally:
                 dcp_fs.FileSystemWriter.write_data, os.makedirs, os.rename = write_data, makedirs, rename
                 Trainer.train_step = train_step
-                vars(checkpoint).pop("open", None)
+                vars(checkpoint_manager).pop("open", None)
             errors = [None, None]
             dist.all_gather_object(errors, error)
             results[name] = {"errors": errors}

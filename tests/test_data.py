@@ -19,8 +19,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.data import (DatasetError, DatasetSection, HeldOutDocuments, ListDocuments, PackedDataLoader,
-                          build_dataloader, load_documents)
+from trainer.data.config import DatasetError, DatasetSection
+from trainer.data.loader import PackedDataLoader, build_dataloader
+from trainer.data.sources import HeldOutDocuments, ListDocuments, load_documents
 from trainer.job_config import load_config
 from core.loss import IGNORE_INDEX, count_valid_tokens
 from trainer.tokenizer import build_tokenizer
@@ -275,7 +276,8 @@ def test_allow_download_decides_whether_the_hub_is_asked(tmp_path):
     hub = _FakeHub()
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=str(REPO))
-    script = ("import sys; from trainer.data import DatasetSection, load_documents\n"
+    script = ("import sys; from trainer.data.config import DatasetSection\n"
+              "from trainer.data.sources import load_documents\n"
               "try: load_documents(DatasetSection(name='no-such/dataset', allow_download=sys.argv[1] == 'true'),"
               " 'train')\nexcept ValueError as e: print(e)")
     try:

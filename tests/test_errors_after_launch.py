@@ -120,7 +120,8 @@ def test_broken_json_row_names_its_line_and_document_in_one_line(tmp_path):
     rows = [json.dumps({"text": f"document {i}"}) for i in range(60)]
     rows[30] = '{"text": "broken'
     data.write_text("\n".join(rows) + "\n")
-    from trainer.data import DatasetError, load_documents
+    from trainer.data.config import DatasetError
+    from trainer.data.sources import load_documents
 
     class Dataset:
         name, path, text_field = "", str(data), "text"
@@ -143,16 +144,16 @@ import os
 if "LEAK_RANK" in os.environ and os.environ.get("RANK") == os.environ["LEAK_RANK"]:
     import torch
 
-    from trainer import data
+    from trainer.data import loader
 
     kept = []
-    next_batch = data.PackedDataLoader.next_batch
+    next_batch = loader.PackedDataLoader.next_batch
 
     def leaky_next_batch(self):
         kept.append(torch.empty(1 << 18))
         return next_batch(self)
 
-    data.PackedDataLoader.next_batch = leaky_next_batch
+    loader.PackedDataLoader.next_batch = leaky_next_batch
 '''
 
 

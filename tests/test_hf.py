@@ -371,7 +371,7 @@ def test_another_flavors_experts_are_named_by_shape_and_skipped_by_a_partial_loa
     the preflight comparison lists them with both shapes, the trainer's line names the first ones and their count, a
     full load refuses them, and a partial load reads every other weight and leaves these to the model's own."""
     from models.deepseek_v3.hf import compare_checkpoint
-    from trainer.checkpoint import WeightMismatch
+    from trainer.checkpoint.weights import WeightMismatch
 
     other = OUR_TINY.replace(moe_inter_dim=48)
     saved = build_ours(other).state_dict()

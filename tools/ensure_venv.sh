@@ -17,5 +17,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 export PATH="$PWD/$VENV_DIR/bin:$PATH"
 # Hugging Face's offline switch is not set here: the trainer sets it itself unless the config has
-# dataset.allow_download = true (trainer/data.py), and tests/conftest.py sets it for the tests.
+# dataset.allow_download = true (trainer/data/sources.py), and tests/conftest.py sets it for the tests.
 export TIKTOKEN_CACHE_DIR="${TIKTOKEN_CACHE_DIR-}"

@@ -27,10 +27,10 @@ from parallelisms.compile import CompileSection
 from quantization.fp8.config import Fp8Section
 from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.parallel_dims import ParallelDims, ParallelismSection
-from trainer.checkpoint import CheckpointSection
+from trainer.checkpoint.config import CheckpointSection
 from core.config import (ConfigError, check_fields, check_sections, config_to_toml, load, option,
                             run_with_config_errors)
-from trainer.data import DatasetSection
+from trainer.data.config import DatasetSection
 from trainer.lr_schedule import LRSchedulerSection
 from trainer.memory import MemorySection
 from trainer.metrics import MetricsSection

@@ -38,11 +38,13 @@ from parallelisms.mesh import build_meshes
 from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.pipeline import build_pipeline
 from trainer import device as devices
-from trainer.checkpoint import (CheckpointError, CheckpointManager, CheckpointSaveError, WeightMismatch,
-                                check_checkpoint, latest_checkpoint)
+from trainer.checkpoint.files import CheckpointError, latest_checkpoint
+from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError
+from trainer.checkpoint.weights import WeightMismatch, check_checkpoint
 from core.config import ConfigError, config_to_toml
 from trainer.job_config import JobConfig, load_config, validate_job
-from trainer.data import DatasetError, build_dataloader, has_documents
+from trainer.data.config import DatasetError
+from trainer.data.for_job import build_loader, data_errors_at, holds_out
 from core.loss import ScaledLoss, count_valid_tokens
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.launch import PREEMPTED_PREFIX, leave_marker, write_error_line
@@ -138,9 +140,9 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
         global_batch = cfg.training.local_batch_size * dims.dp
     loader_args = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len, global_batch_size=global_batch,
                        dp_rank=dp_rank, dp_degree=dims.dp)
-    hold_out = cfg.validation.hold_out_every if cfg.validation.enable and _holds_out(cfg) else 0
-    train_loader = _build_loader(cfg, loader_args, hold_out, validation=False)
-    val_loader = _build_loader(cfg, loader_args, hold_out, validation=True) if cfg.validation.enable else None
+    hold_out = cfg.validation.hold_out_every if cfg.validation.enable and holds_out(cfg) else 0
+    train_loader = build_loader(cfg, loader_args, hold_out, validation=False)
+    val_loader = build_loader(cfg, loader_args, hold_out, validation=True) if cfg.validation.enable else None
     note = _check_checkpoints(cfg, spec, model_args)
     return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader, note)
 
@@ -170,67 +172,6 @@ def _check_checkpoints(cfg: JobConfig, spec, model_args) -> str | None:
     if problem is not None:
         raise ConfigError("checkpoint", problem)
     return mismatch.note()
-
-
-def _holds_out(cfg: JobConfig) -> bool:
-    """Whether validation reads a held-out part of the training files: local files have no "validation" split."""
-    return bool(cfg.dataset.path) and not cfg.validation.dataset and cfg.validation.split == "validation"
-
-
-def _validation_dataset(cfg: JobConfig):
-    """The [dataset] section validation reads: the training files when they hold out a part (`_holds_out`), another
-    dataset named by validation.dataset, or the training dataset's validation split."""
-    if _holds_out(cfg):
-        return cfg.dataset
-    ds = dataclasses.replace(cfg.dataset, split=cfg.validation.split)
-    if cfg.validation.dataset:
-        if os.path.exists(cfg.validation.dataset):
-            # Local files form the one split "train": the default split name stands for the whole file.
-            split = "train" if cfg.validation.split == "validation" else cfg.validation.split
-            ds = dataclasses.replace(ds, path=cfg.validation.dataset, split=split)
-        else:
-            ds = dataclasses.replace(ds, name=cfg.validation.dataset, path="")
-    return ds
-
-
-def _data_key(cfg: JobConfig, key: str, validation: bool) -> str:
-    """The config key behind a DatasetError's dataset attribute, for the training or the validation loader."""
-    if validation and key == "split" and not _holds_out(cfg):
-        return "validation.split"
-    if validation and key in ("name", "path") and cfg.validation.dataset:
-        return "validation.dataset"
-    return f"dataset.{key}"
-
-
-def _build_loader(cfg: JobConfig, loader_args: dict, hold_out: int, validation: bool):
-    """The training or validation loader, its first document read so that a wrong text field, an unknown dataset
-    or an empty split fails before launch; a DatasetError becomes a ConfigError naming the key at fault."""
-    ds = _validation_dataset(cfg) if validation else cfg.dataset
-    try:
-        loader = build_dataloader(ds, **loader_args, hold_out_every=hold_out, held_out=validation)
-        if has_documents(loader.source):
-            return loader
-    except DatasetError as e:
-        allowed = e.allowed
-        if validation:
-            allowed = ", ".join(filter(None, [allowed, "a validation.dataset, or validation.enable = false"]))
-        raise ConfigError(_data_key(cfg, e.key, validation), e.problem, allowed)
-    problem = f"{loader.source.description}: no documents"
-    if validation and hold_out:
-        raise ConfigError("validation.hold_out_every", f"{problem} (the files hold fewer than {hold_out})",
-                          "at most the number of documents, a validation.dataset, or validation.enable = false")
-    raise ConfigError(_data_key(cfg, "path" if ds.path else "name", validation), problem)
-
-
-@contextlib.contextmanager
-def _data_errors_at(cfg: JobConfig, step: int, rank: int, validation: bool):
-    """Mark a DatasetError raised inside with the step, the rank and the config key at fault, for its one line."""
-    try:
-        yield
-    except DatasetError as e:
-        e.where = f"step {step}, rank {rank}{', validation' if validation else ''}"
-        e.config_key = _data_key(cfg, e.key, validation)
-        raise
 
 
 class Trainer:
@@ -507,7 +448,7 @@ class Trainer:
                 self._advance("reading its batch", step)
                 t0 = time.perf_counter()
                 try:
-                    with _data_errors_at(cfg, step, self.rank, validation=False):
+                    with data_errors_at(cfg, step, self.rank, validation=False):
                         scalars = self.train_step(step)
                 except PreemptedError:  # between microbatches: the step was rolled back
                     self._stop_for_preemption(step - 1)
@@ -528,7 +469,7 @@ class Trainer:
                 stop = False
                 if self.val_loader is not None and step % cfg.validation.freq == 0:
                     try:
-                        with _data_errors_at(cfg, step, self.rank, validation=True):
+                        with data_errors_at(cfg, step, self.rank, validation=True):
                             scalars["validation/loss"] = self.validate()
                         summary.validation = (step, scalars["validation/loss"])
                         logger.info("step %d validation loss %.4f", step, scalars["validation/loss"])
@@ -657,7 +598,7 @@ def _main(argv: list[str]) -> None:
 
 def _data_error_line(error: DatasetError) -> str:
     """One line for a dataset error found after launch: where (step, rank, training or validation), the config key
-    and the document at fault (`_data_errors_at` marks the first two)."""
+    and the document at fault (`data_errors_at` marks the first two)."""
     where = f" at {error.where}" if error.where else ""
     key = error.config_key or f"dataset.{error.key}"
     allowed = f"; allowed: {error.allowed}" if error.allowed else ""

@@ -1,17 +1,5 @@
-"""Packed-sequence data loading with one global order that does not depend on the parallel layout.
-
-The rule (see docs/data.md):
-
-* documents are read in one fixed order; each becomes ``[BOS] + tokens + [EOS]``;
-* the concatenated token stream is cut, in order, into sequences of ``seq_len + 1`` tokens;
-  a sequence gives ``inputs = seq[:-1]`` and ``labels = seq[1:]``;
-* step ``k`` consumes the global batch of sequences ``[k*G, (k+1)*G)`` (``G`` = global batch size);
-  data-parallel rank ``r`` of ``D`` keeps the contiguous slice ``[r*G/D, (r+1)*G/D)``.
-
-Every rank reads and tokenizes the whole stream and drops what other ranks train on, so the
-sequences of a step are the same for any DP degree or gradient-accumulation split, and the
-loader state is global: a checkpoint resumes on any number of ranks.
-"""
+"""The documents a `[dataset]` section names: local files, the shipped corpus, or a Hugging Face dataset, read in one
+fixed order and re-readable from any document index (a resume skips to it)."""
 
 from __future__ import annotations
 
@@ -21,57 +9,11 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
-from core.config import ConfigError
-from trainer.tokenizer import Tokenizer, resolve_path
-
-
-@dataclass
-class DatasetSection:
-    """Where training text comes from."""
-
-    name: str = "pydoc"
-    """Built-in corpus shipped with the repo (pydoc), or a Hugging Face hub dataset name."""
-    path: str = ""
-    """Local json/jsonl/parquet/txt file or directory; overrides name when set."""
-    split: str = "train"
-    """Dataset split to read."""
-    streaming: bool = True
-    """Stream the dataset instead of downloading and materialising it first."""
-    text_field: str = "text"
-    """Name of the column that holds the raw text."""
-    allow_download: bool = False
-    """Let a Hugging Face dataset name be fetched from the Hub. false: Hugging Face runs offline (the shipped
-    corpus, local files and datasets already in the local HF cache); an exported HF_HUB_OFFLINE=1 keeps a run
-    offline even when true."""
-
-    def check(self) -> list[ConfigError]:
-        """Settings of this section that contradict each other."""
-        if not self.name and not self.path:
-            return [ConfigError("name", "empty and dataset.path is empty too", "a dataset name or a dataset.path")]
-        return []
-
-
-__all__ = [
-    "LOCAL_DATASETS",
-    "PYDOC_FILES",
-    "DatasetError",
-    "DocumentSource",
-    "HFDocuments",
-    "HeldOutDocuments",
-    "ListDocuments",
-    "PackedDataLoader",
-    "build_dataloader",
-    "has_documents",
-    "load_documents",
-]
-
-logger = logging.getLogger(__name__)
+from trainer.data.config import DatasetError
+from trainer.tokenizer import resolve_path
 
 # The shipped corpus, made by tools/make_corpus.py; split name -> file relative to the repo root.
 PYDOC_FILES = {
@@ -84,24 +26,6 @@ LOCAL_DATASETS = ("pydoc",)
 
 # Local file suffix -> the `datasets` builder that reads it.
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
-
-
-class DatasetError(ValueError):
-    """A dataset setting that cannot work, found before training: the trainer reports it as a config error.
-
-    ``key`` is the attribute of the dataset config at fault (``name``, ``path``, ``split``, ``text_field``),
-    ``problem`` says what is wrong and ``allowed`` (optional) what would work instead.
-    """
-
-    def __init__(self, key: str, problem: str, allowed: str | None = None) -> None:
-        super().__init__(problem)
-        self.key = key
-        self.problem = problem
-        self.allowed = allowed
-        self.where: str | None = None
-        """Set by the trainer for an error found while training: the step, the rank and the loader."""
-        self.config_key: str | None = None
-        """Set by the trainer: the config key behind ``key`` (``dataset.*`` or ``validation.*``)."""
 
 
 class DocumentSource(Protocol):
@@ -206,115 +130,6 @@ class HeldOutDocuments:
         for index, text in enumerate(self.source.iter_texts(first), start=first):
             if (index % k == k - 1) == self.held_out:
                 yield text
-
-
-class PackedDataLoader:
-    """Yields this rank's share of each global batch of packed sequences; checkpointable.
-
-    Args:
-        source: the documents, in their global order.
-        tokenizer: supplies the token ids, BOS and EOS.
-        seq_len: tokens per training sequence (each sequence reads ``seq_len + 1`` tokens).
-        global_batch_size: sequences per optimizer step over all data-parallel ranks.
-        dp_rank: this rank's index among the data-parallel ranks.
-        dp_degree: number of data-parallel ranks; must divide ``global_batch_size``.
-
-    When the documents run out the stream restarts from the first document (``epoch`` += 1);
-    tokens left over from the previous pass carry into the next, so no token is dropped.
-    """
-
-    def __init__(
-        self,
-        source: DocumentSource,
-        tokenizer: Tokenizer,
-        seq_len: int,
-        global_batch_size: int,
-        dp_rank: int,
-        dp_degree: int,
-    ) -> None:
-        if seq_len < 1 or global_batch_size < 1:
-            raise ValueError(f"seq_len ({seq_len}) and global_batch_size ({global_batch_size}) must be positive")
-        if not 0 <= dp_rank < dp_degree:
-            raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_degree={dp_degree})")
-        if global_batch_size % dp_degree:
-            raise ValueError(
-                f"global_batch_size {global_batch_size} is not divisible by the data-parallel degree {dp_degree}"
-            )
-        self.source = source
-        self.tokenizer = tokenizer
-        self.seq_len = seq_len
-        self.global_batch_size = global_batch_size
-        self.dp_rank = dp_rank
-        self.dp_degree = dp_degree
-        self.local_batch_size = global_batch_size // dp_degree
-
-        # Global stream position: everything a resume needs, identical on every rank.
-        self.epoch = 0
-        self.doc_index = 0  # next document of the current pass
-        self.sequences_consumed = 0  # over all ranks and steps
-        self._buffer: list[int] = []  # tokenized but not yet cut into a sequence: _buffer[_pos:]
-        self._pos = 0
-        self._docs: Iterator[str] | None = None  # opened lazily at doc_index
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, labels)``, both ``LongTensor [global_batch_size / dp_degree, seq_len]``."""
-        first = self.dp_rank * self.local_batch_size
-        mine = []
-        for i in range(self.global_batch_size):
-            sequence = self._next_sequence()
-            if first <= i < first + self.local_batch_size:
-                mine.append(sequence)
-        self.sequences_consumed += self.global_batch_size
-        batch = torch.tensor(mine, dtype=torch.long)
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The global stream position (plain ints and a list of ints; the same on every rank)."""
-        return {
-            "epoch": self.epoch,
-            "doc_index": self.doc_index,
-            "sequences_consumed": self.sequences_consumed,
-            "buffer": self._buffer[self._pos :],
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from ``state_dict`` (possibly saved with another DP degree or rank)."""
-        missing = {"epoch", "doc_index", "sequences_consumed", "buffer"} - set(state_dict)
-        if missing:
-            raise ValueError(f"data loader state lacks {', '.join(sorted(missing))}")
-        self.epoch = int(state_dict["epoch"])
-        self.doc_index = int(state_dict["doc_index"])
-        self.sequences_consumed = int(state_dict["sequences_consumed"])
-        self._buffer = [int(t) for t in state_dict["buffer"]]
-        self._pos = 0
-        self._docs = None
-
-    def _next_sequence(self) -> list[int]:
-        need = self.seq_len + 1
-        while len(self._buffer) - self._pos < need:
-            # Compact before growing so the buffer stays about one document long.
-            del self._buffer[: self._pos]
-            self._pos = 0
-            self._buffer.extend(self._next_document_tokens())
-        sequence = self._buffer[self._pos : self._pos + need]
-        self._pos += need
-        return sequence
-
-    def _next_document_tokens(self) -> list[int]:
-        if self._docs is None:
-            self._docs = self.source.iter_texts(self.doc_index)
-        text = next(self._docs, None)
-        if text is None:
-            if self.doc_index == 0:
-                raise ValueError(f"{self.source.description}: no documents")
-            self.epoch += 1
-            self.doc_index = 0
-            self._docs = self.source.iter_texts(0)
-            if self.dp_rank == 0:
-                logger.info("data: %s exhausted, starting epoch %d", self.source.description, self.epoch)
-            text = next(self._docs)
-        self.doc_index += 1
-        return self.tokenizer.encode(text, bos=True, eos=True)
 
 
 def _local_data_files(path: Path) -> tuple[str, list[str]]:
@@ -512,27 +327,3 @@ def has_documents(source: DocumentSource) -> bool:
         DatasetError: on ``text_field`` when the first document lacks it.
     """
     return next(iter(source.iter_texts(0)), None) is not None
-
-
-def build_dataloader(
-    dataset_cfg: Any,
-    tokenizer: Tokenizer,
-    seq_len: int,
-    global_batch_size: int,
-    dp_rank: int,
-    dp_degree: int,
-    split_override: str | None = None,
-    hold_out_every: int = 0,
-    held_out: bool = False,
-) -> PackedDataLoader:
-    """A ``PackedDataLoader`` over the documents of ``dataset_cfg`` (see ``load_documents``).
-
-    ``split_override`` replaces ``dataset_cfg.split`` (default "train"), e.g. "validation" for an
-    evaluation loader built from the training dataset's config. ``hold_out_every`` > 0 splits the
-    documents with ``HeldOutDocuments``: every ``hold_out_every``-th one (``held_out``) or the others.
-    """
-    split = split_override or getattr(dataset_cfg, "split", None) or "train"
-    source = load_documents(dataset_cfg, split)
-    if hold_out_every:
-        source = HeldOutDocuments(source, hold_out_every, held_out)
-    return PackedDataLoader(source, tokenizer, seq_len, global_batch_size, dp_rank, dp_degree)

@@ -1,0 +1,76 @@
+"""The job's loaders: which `[dataset]` section the training and the validation loader read, each built and its
+first document read before launch, and the job's config key behind a DatasetError (`dataset.*` or
+`validation.*`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+from core.config import ConfigError
+from trainer.data.config import DatasetError
+from trainer.data.loader import build_dataloader
+from trainer.data.sources import has_documents
+from trainer.job_config import JobConfig
+
+
+def holds_out(cfg: JobConfig) -> bool:
+    """Whether validation reads a held-out part of the training files: local files have no "validation" split."""
+    return bool(cfg.dataset.path) and not cfg.validation.dataset and cfg.validation.split == "validation"
+
+
+def validation_dataset(cfg: JobConfig):
+    """The [dataset] section validation reads: the training files when they hold out a part (`holds_out`), another
+    dataset named by validation.dataset, or the training dataset's validation split."""
+    if holds_out(cfg):
+        return cfg.dataset
+    ds = dataclasses.replace(cfg.dataset, split=cfg.validation.split)
+    if cfg.validation.dataset:
+        if os.path.exists(cfg.validation.dataset):
+            # Local files form the one split "train": the default split name stands for the whole file.
+            split = "train" if cfg.validation.split == "validation" else cfg.validation.split
+            ds = dataclasses.replace(ds, path=cfg.validation.dataset, split=split)
+        else:
+            ds = dataclasses.replace(ds, name=cfg.validation.dataset, path="")
+    return ds
+
+
+def data_key(cfg: JobConfig, key: str, validation: bool) -> str:
+    """The config key behind a DatasetError's dataset attribute, for the training or the validation loader."""
+    if validation and key == "split" and not holds_out(cfg):
+        return "validation.split"
+    if validation and key in ("name", "path") and cfg.validation.dataset:
+        return "validation.dataset"
+    return f"dataset.{key}"
+
+
+def build_loader(cfg: JobConfig, loader_args: dict, hold_out: int, validation: bool):
+    """The training or validation loader, its first document read so that a wrong text field, an unknown dataset
+    or an empty split fails before launch; a DatasetError becomes a ConfigError naming the key at fault."""
+    ds = validation_dataset(cfg) if validation else cfg.dataset
+    try:
+        loader = build_dataloader(ds, **loader_args, hold_out_every=hold_out, held_out=validation)
+        if has_documents(loader.source):
+            return loader
+    except DatasetError as e:
+        allowed = e.allowed
+        if validation:
+            allowed = ", ".join(filter(None, [allowed, "a validation.dataset, or validation.enable = false"]))
+        raise ConfigError(data_key(cfg, e.key, validation), e.problem, allowed)
+    problem = f"{loader.source.description}: no documents"
+    if validation and hold_out:
+        raise ConfigError("validation.hold_out_every", f"{problem} (the files hold fewer than {hold_out})",
+                          "at most the number of documents, a validation.dataset, or validation.enable = false")
+    raise ConfigError(data_key(cfg, "path" if ds.path else "name", validation), problem)
+
+
+@contextlib.contextmanager
+def data_errors_at(cfg: JobConfig, step: int, rank: int, validation: bool):
+    """Mark a DatasetError raised inside with the step, the rank and the config key at fault, for its one line."""
+    try:
+        yield
+    except DatasetError as e:
+        e.where = f"step {step}, rank {rank}{', validation' if validation else ''}"
+        e.config_key = data_key(cfg, e.key, validation)
+        raise
