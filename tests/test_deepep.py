@@ -453,7 +453,7 @@ def _host_syncs(mesh, rank: int) -> dict:
 
 def _run_path(mesh, path: str, rank: int) -> dict:
     """STEPS steps of one execution path under exact memory tracking; what is alive after each step."""
-    from trainer.memory import MemoryMonitor
+    from trainer.memory.monitor import MemoryMonitor
 
     model, moes = _build(mesh, path)
     rec = {"allocated": [], "live_handles": [], "pending": [], "in_flight": [], "after_first_backward": []}
@@ -648,7 +648,7 @@ def _train(jobs: dict) -> dict:
     import torch.distributed as dist
 
     from trainer.job_config import load_config
-    from trainer.memory import MemoryMonitor
+    from trainer.memory.monitor import MemoryMonitor
     from trainer.train import run
 
     step_end = MemoryMonitor.step_end

@@ -162,7 +162,7 @@ def test_leak_on_one_rank_stops_the_run_with_one_line_after_logging_the_alarm(tm
     """Rank 1 of 2 leaks 1 MiB per step (a module patched in at interpreter start, not a hook of the trainer); with
     memory.fail_on_leak the run ends with the leak's line naming the rank, exit code 1, and rank 1's tensorboard
     already holds the alarm's step."""
-    from trainer.leak_detector import ALARM_TAG, SLOPE_TAG
+    from trainer.memory.leak_detector import ALARM_TAG, SLOPE_TAG
     from trainer.metrics import read_scalars, run_dirs
 
     (tmp_path / "site").mkdir()

@@ -477,7 +477,7 @@ def test_fp8_curves_benchmark_smoke(capsys):
 def _backward_peak_beyond_gradients(fn, inputs, grads_bytes: int) -> int:
     """Peak bytes of `fn`'s backward (exact tracker, from the end of its forward) beyond the two gradients that a
     high-precision GEMM's backward allocates."""
-    from trainer.memory import _StepMemTracker
+    from trainer.memory.tracker import _StepMemTracker
 
     cpu = torch.device("cpu")
     tracker = _StepMemTracker()

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from models.deepseek_v3.args import FLAVORS
 from models.deepseek_v3.hf import hf_config_from_args
 from trainer.job_config import load_config
-from trainer.leak_detector import ALARM_TAG, SLOPE_TAG, LeakDetector, MemoryLeakError, theil_sen_slope
-from trainer.memory import MemoryMonitor, MemorySnapshots
+from trainer.memory.leak_detector import ALARM_TAG, SLOPE_TAG, LeakDetector, MemoryLeakError, theil_sen_slope
+from trainer.memory.monitor import MemoryMonitor
+from trainer.memory.snapshots import MemorySnapshots
 from trainer.train import Trainer, prepare
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -49,7 +50,7 @@ def test_theil_sen_ignores_outliers():
 
 def test_per_step_leak_alarms_once_at_the_predicted_step(caplog):
     detector = LeakDetector()
-    with caplog.at_level(logging.WARNING, logger="trainer.leak_detector"):
+    with caplog.at_level(logging.WARNING, logger="trainer.memory.leak_detector"):
         verdicts = feed(detector, [100 * MiB + step * MiB for step in range(40)])
     assert verdicts[:14] == [None] * 14  # 5 warm-up steps + 9 steps filling the window
     assert detector.scalars(verdicts[14]) == {SLOPE_TAG: 1.0}
@@ -112,7 +113,7 @@ def test_a_failing_callback_does_not_hide_the_leak(caplog):
         raise OSError("disk full")
 
     detector = LeakDetector(on_leak=broken)
-    with caplog.at_level(logging.WARNING, logger="trainer.leak_detector"):
+    with caplog.at_level(logging.WARNING, logger="trainer.memory.leak_detector"):
         feed(detector, [step * MiB for step in range(30)])
     assert detector.alarm is not None
     assert any("memory leak" in r.getMessage() for r in caplog.records)
@@ -250,7 +251,7 @@ def test_leak_autograd_graph_kept_by_a_long_lived_buffer(small_model_config, tmp
 
     for moe in trainer.model_parts[0].moe_layers():
         moe.register_forward_hook(copy_into_send_buffer)
-    with caplog.at_level(logging.WARNING, logger="trainer.leak_detector"):
+    with caplog.at_level(logging.WARNING, logger="trainer.memory.leak_detector"):
         detector, verdicts, _ = train_watched(trainer)
     assert send_buf.grad_fn is not None
     # per MoE layer and step: the saved 64 x 64 float32 input of silu and the 64 int64 indices

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from core.loss import IGNORE_INDEX, cross_entropy_sum
-from trainer.memory import MemoryMonitor
+from trainer.memory.monitor import MemoryMonitor
 
 
 def reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

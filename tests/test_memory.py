@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from trainer.memory import MemoryMonitor, MemoryStats
+from trainer.memory.monitor import MemoryMonitor, MemoryStats
 
 MiB = 1 << 20
 FLOAT_BYTES = 4
@@ -155,7 +155,7 @@ def rss_bytes() -> int:
 @pytest.mark.parametrize("mode, compiled, why", [("off", False, "memory.track = off"),
                                                  ("auto", True, "compile.enable = true")])
 def test_off_mode_measures_only_rss_and_says_why(caplog, mode, compiled, why):
-    caplog.set_level(logging.INFO, logger="trainer.memory")
+    caplog.set_level(logging.INFO, logger="trainer.memory.monitor")
     model, optimizer = make_mlp()
     monitor = MemoryMonitor("cpu", mode=mode, compiled=compiled)
     assert monitor.mode == "off"

@@ -13,7 +13,7 @@ from models.deepseek_v3.args import FLAVORS
 from models.deepseek_v3.hf import hf_config_from_args
 from trainer.job_config import load_config
 from trainer.lr_schedule import build_lr_scheduler
-from trainer.memory import MemoryMonitor
+from trainer.memory.monitor import MemoryMonitor
 from trainer.optimizer import build_optimizer, tile_params
 from trainer.train import Trainer, prepare
 

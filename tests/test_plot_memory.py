@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from trainer.leak_detector import SLOPE_TAG
+from trainer.memory.leak_detector import SLOPE_TAG
 from trainer.metrics import MetricLogger
 from trainer.plot_memory import ALLOCATED, PEAK, RSS, find_run, load_runs, render
 

@@ -32,7 +32,7 @@ from core.config import (ConfigError, check_fields, check_sections, config_to_to
                             run_with_config_errors)
 from trainer.data.config import DatasetSection
 from trainer.lr_schedule import LRSchedulerSection
-from trainer.memory import MemorySection
+from trainer.memory.config import MemorySection
 from trainer.metrics import MetricsSection
 from trainer.optimizer import OptimizerSection
 from core.model_config import ModelSection, MoESection

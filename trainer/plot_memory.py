@@ -25,7 +25,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from trainer.leak_detector import ALARM_TAG, SLOPE_TAG, LeakDetector, LeakVerdict
+from trainer.memory.leak_detector import ALARM_TAG, SLOPE_TAG, LeakDetector, LeakVerdict
 from trainer.metrics import read_scalars, run_dirs
 
 __all__ = ["RankSeries", "find_run", "load_runs", "main", "render"]

@@ -48,8 +48,9 @@ from trainer.data.for_job import build_loader, data_errors_at, holds_out
 from core.loss import ScaledLoss, count_valid_tokens
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.launch import PREEMPTED_PREFIX, leave_marker, write_error_line
-from trainer.leak_detector import LeakDetector, MemoryLeakError
-from trainer.memory import MemoryMonitor, MemorySnapshots, MemoryStats
+from trainer.memory.leak_detector import LeakDetector, MemoryLeakError
+from trainer.memory.monitor import MemoryMonitor, MemoryStats
+from trainer.memory.snapshots import MemorySnapshots
 from trainer.metrics import MetricLogger, init_logging, new_run_dir
 from trainer.optimizer import build_optimizer
 from trainer.preemption import PreemptedError, Preemption, Stop, listen, parse_signals
