@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("core", "quantization", "parallelisms", "models", "trainer")
 
 #: Files of a model family that wire the model to the parallelisms by design: the package's `ModelSpec`
-#: registration (`__init__.py`), its parallelize plan, its pipeline split and its memory plan's tensors. Every other
-#: model module is model code.
+#: registration (`__init__.py`), its parallelize plan, its pipeline split and its memory plan's tensors. Only the
+#: family's own top-level files count: every other model module, a subpackage's `__init__.py` included (the HF
+#: interop package `models/deepseek_v3/hf/`), is model code.
 MODEL_ADAPTERS = ("__init__.py", "parallelize.py", "pipeline.py", "memory_plan.py")
 
 #: The config machinery: standard library only, so that every package may import it for its config section.
@@ -90,7 +91,7 @@ def _is_model_code(file: str) -> bool:
     parts = file.split("/")
     if parts[0] != "models" or len(parts) < 3:
         return False
-    return parts[1] == "common" or parts[-1] not in MODEL_ADAPTERS
+    return parts[1] == "common" or len(parts) > 3 or parts[-1] not in MODEL_ADAPTERS
 
 
 def _ours(module: str) -> bool:

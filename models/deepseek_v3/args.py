@@ -13,7 +13,7 @@ from dataclasses import dataclass
 class ModelArgs:
     """Hyper-parameters of a DeepSeek-V3 (or V2-shaped) model.
 
-    Names follow DeepSeek's own `inference/model.py`; `models/deepseek_v3/hf.py` maps them to HF config keys.
+    Names follow DeepSeek's own `inference/model.py`; `models/deepseek_v3/hf/config.py` maps them to HF config keys.
     """
 
     vocab_size: int = 2048

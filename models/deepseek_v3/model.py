@@ -194,7 +194,8 @@ class DeepSeekV3Model(nn.Module):
     """The full model: `model(tokens [B, S]) -> logits [B, S, vocab]`.
 
     With `num_mtp_layers > 0` and in training mode, the MTP heads' logits are stacked after the main ones:
-    `[1 + num_mtp_layers, B, S, vocab]` (see `mtp.py` and the loss in `core/loss.py`).
+    `[1 + num_mtp_layers, B, S, vocab]` (see `mtp.py`, and `mtp_loss` in `models/deepseek_v3/__init__.py`
+    for the loss).
     """
 
     def __init__(self, args: ModelArgs):
