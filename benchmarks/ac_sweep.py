@@ -29,6 +29,7 @@ Per row, measured on a fixed random batch with fixed weights:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -42,11 +43,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.deepseek_v3.parallelize import RECOMPUTE_MODULES, checkpoint_model  # noqa: E402
 from parallelisms.activation_checkpoint.config import ActivationCheckpointSection  # noqa: E402
 from parallelisms.activation_checkpoint.policy import OpCounter  # noqa: E402
 from parallelisms.moe_comm.registry import op_table  # noqa: E402
-from trainer.job_config import JobConfig, load_config  # noqa: E402
+from parallelisms.parallel_dims import ParallelDims  # noqa: E402
+from trainer.build import build_model_parts, materialize  # noqa: E402
+from trainer.job_config import JobConfig, load_config, model_job  # noqa: E402
 from trainer.registry import get_model_spec  # noqa: E402
 
 DEFAULT_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "256",
@@ -62,8 +64,10 @@ ROW_KEYS = ("row", "mode", "granularity", "layer_freq", "save_ops", "force_recom
             "held_rel", "activation_rel", "time_rel", "cpu_rel", "recomputed_ops", "recomputed_total")
 
 
-def sweep_settings(base: ActivationCheckpointSection, dispatched: set[str]) -> list[tuple[str, dict]]:
-    """(row name, AC section overrides) for every row; toggles only for ops in `dispatched`."""
+def sweep_settings(base: ActivationCheckpointSection, dispatched: set[str],
+                   recompute_names: Sequence[str]) -> list[tuple[str, dict]]:
+    """(row name, AC section overrides) for every row; toggles only for ops in `dispatched`, and one row per name of
+    the model's `recompute_modules` table."""
     rows: list[tuple[str, dict]] = [
         ("none", dict(mode="none")),
         ("full", dict(mode="full")),
@@ -79,7 +83,7 @@ def sweep_settings(base: ActivationCheckpointSection, dispatched: set[str]) -> l
     for op in table.ops:
         if op in dispatched:
             rows.append((f"save_ops=[{op}]", dict(mode="selective", granularity="op", save_ops=[op])))
-    for name in RECOMPUTE_MODULES:
+    for name in recompute_names:
         rows.append((f"recompute_modules=[{name}]", dict(mode="selective", granularity="op",
                                                          recompute_modules=[name])))
     return rows
@@ -89,8 +93,10 @@ class _Bench:
     """Builds the same model and batch for every row and measures one AC setting."""
 
     def __init__(self, cfg: JobConfig, smoke: bool):
+        self.cfg = cfg
         self.spec = get_model_spec(cfg.model.name)
-        self.args = self.spec.build_args(cfg)
+        self.args = self.spec.build_args(model_job(cfg))
+        self.dims = ParallelDims.from_config(cfg.parallelism, 1)
         batch, seq = (cfg.training.local_batch_size, cfg.training.seq_len)
         if smoke:
             self.args = self.args.replace(**SMOKE_ARGS)
@@ -102,12 +108,11 @@ class _Bench:
         self.inputs, self.labels = tokens[:, :-1], tokens[:, 1:]
 
     def model(self, ac: ActivationCheckpointSection) -> torch.nn.Module:
-        with torch.device("meta"):
-            model = self.spec.model_cls(self.args)
-        checkpoint_model(model, ac)
-        model.to_empty(device="cpu")
-        model.init_weights(buffer_device=torch.device("cpu"), seed=self.seed)
-        return model.train()
+        """The model as the trainer builds it in one process, with `ac` as its AC section."""
+        cfg = dataclasses.replace(self.cfg, activation_checkpoint=ac)
+        [model] = build_model_parts(self.spec, self.args, cfg, self.dims, None).parts
+        materialize([model], torch.device("cpu"), self.seed)
+        return model
 
     def step(self, model: torch.nn.Module, backward_counter: OpCounter | None = None, on_forward=None) -> None:
         loss = self.loss_fn(model(self.inputs), self.labels) / self.labels.numel()
@@ -169,7 +174,7 @@ def run(config_argv: Sequence[str], smoke: bool, warmup: int, timed: int, only: 
     skipped = [op for op in op_table().ops if op not in dispatched]
     print(f"ops never dispatched by this model (no toggle rows): {', '.join(skipped)}", file=sys.stderr)
     measured = []
-    for name, overrides in sweep_settings(base, dispatched):
+    for name, overrides in sweep_settings(base, dispatched, list(bench.spec.plan.recompute_modules)):
         if only and name != "none" and not name.startswith(tuple(only)):
             continue
         ac = ActivationCheckpointSection(**{**vars(base), **overrides})

@@ -117,26 +117,24 @@ def run_variant(config_args: list[str], dtype: str, compiled: bool, steps: int, 
     import torch
     from torch._dynamo.utils import counters
 
-    from models.deepseek_v3.parallelize import compile_model
     from parallelisms.compile import compile_loss
-    from trainer.job_config import load_config
+    from parallelisms.parallel_dims import ParallelDims
+    from trainer.build import build_model_parts, materialize
+    from trainer.job_config import load_config, model_job
     from trainer.optimizer import build_optimizer
     from trainer.registry import get_model_spec
 
     torch.set_num_threads(threads)
     cfg = load_config(config_args + ["--training.dtype", dtype, "--compile.enable", str(compiled).lower()])
     spec = get_model_spec(cfg.model.name)
-    model_args = spec.build_args(cfg)
+    model_args = spec.build_args(model_job(cfg))
     if smoke:
         model_args = model_args.replace(**SMOKE_ARGS)
     torch.manual_seed(cfg.training.seed)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    spec.configure_model(model, cfg)
-    compile_model(model, cfg.compile)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=cfg.training.seed)
-    model.train()
+    # the trainer's build path in one process (no process group: no EP, no FSDP)
+    dims = ParallelDims.from_config(cfg.parallelism, 1)
+    [model] = build_model_parts(spec, model_args, cfg, dims, None).parts
+    materialize([model], torch.device("cpu"), cfg.training.seed)
     optimizer = build_optimizer([model], cfg.optimizer)
     loss_fn = compile_loss(spec.build_loss_fn(model_args), cfg.compile)
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext())
@@ -145,7 +143,7 @@ def run_variant(config_args: list[str], dtype: str, compiled: bool, steps: int, 
 
     def step() -> None:
         tokens = torch.randint(0, model_args.vocab_size, (batch, seq + 1), generator=data)
-        spec.before_step([model], batch * seq)
+        spec.hooks.before_step([model], batch * seq)
         with autocast:
             out = model(tokens[:, :-1])
         loss = loss_fn(out, tokens[:, 1:]) / (batch * seq)
@@ -153,7 +151,7 @@ def run_variant(config_args: list[str], dtype: str, compiled: bool, steps: int, 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        spec.post_optimizer_step([model], cfg, None)
+        spec.hooks.post_optimizer_step([model], cfg.moe, None)
 
     times, cpu_times = [], []
     for i in range(warmup + steps):

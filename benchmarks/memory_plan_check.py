@@ -49,7 +49,7 @@ def row_args(ngpu: int, ac: str, batch: int, seq: int, steps: int, recipe: str =
 def predict(ngpu: int, args: list[str]) -> dict:
     """Rank 0's plan (all ranks of this layout hold the same shares; routing is assumed balanced)."""
     from trainer.job_config import load_config
-    from trainer.memory_plan import plan
+    from trainer.tools.memory_plan import plan
 
     return plan(load_config(BASE + args), ngpu)["ranks"][0]
 

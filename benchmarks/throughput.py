@@ -81,11 +81,12 @@ said otherwise:
                       of gemm + grouped_gemm and of attention, with profiled_step_s = gpu_time_split's step_s. It
                       says where MFU is lost: GEMMs below peak, attention, or work with no model FLOPs
 
-Time split method: one `torch.profiler` pass (CPU activity, plus CUDA activity on CUDA) over one step. The
-benchmark labels the phases with `record_function` by wrapping, on this trainer instance only, the data loader's
-`next_batch` ("data"), the model's `forward` and the loss ("forward"), and `clip_grad_norm_` and the MoE bias
-update ("optimizer"); torch.optim labels its own `step` and `zero_grad` ("optimizer"), and the autograd engine
-labels every backward node it runs ("backward"). Every profiled event's self CPU time goes to the phase of its
+Time split method: one `torch.profiler` pass (CPU activity, plus CUDA activity on CUDA) over one step, entered
+through the trainer's `around_step` hook. The trainer labels its phases with `record_function` itself: reading the
+batch ("data"), the forward and the loss ("forward"; with pipeline parallelism the whole schedule, whose backward
+nodes still count as backward), and clipping, the optimizer step and the MoE bias update ("optimizer");
+torch.optim labels its own `step` and `zero_grad` ("optimizer"), and the autograd engine labels every backward
+node it runs ("backward"). Every profiled event's self CPU time goes to the phase of its
 innermost labelled ancestor; "communication" wins wherever it runs: collective ops (`c10d::*`, the functional
 collectives `_c10d_functional::*` with their `wait_tensor`, which is where the expert-parallel all-to-all blocks,
 and `gloo:*`/`nccl:*`), and `Work.wait()`, which the benchmark labels during the profiled step because the blocking
@@ -102,7 +103,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import statistics
@@ -228,11 +228,12 @@ def time_budget(measured: dict[str, float], total: float, cfg, tokens: int, peak
     """Matmul and attention time of the profiled step (`measured`, out of `total` seconds) against their model
     FLOPs at the measured peak."""
     from models.deepseek_v3.flops import attention_flops_per_token, count_params
+    from trainer.job_config import model_job
     from trainer.registry import get_model_spec
 
     if cfg.model.name != "deepseek_v3":
         return None
-    args = get_model_spec(cfg.model.name).build_args(cfg)
+    args = get_model_spec(cfg.model.name).build_args(model_job(cfg))
     counts = count_params(args)
     flops = {"matmul": 6.0 * (counts.active - counts.embedding) * tokens,
              "attention": attention_flops_per_token(args, cfg.training.seq_len) * tokens}
@@ -247,28 +248,17 @@ def time_budget(measured: dict[str, float], total: float, cfg, tokens: int, peak
     return budget
 
 
-def _instrument(trainer) -> None:
-    """Label this trainer's phases for the profiler (see the module docstring); the behaviour is unchanged."""
-    trainer.train_loader.next_batch = labelled("phase/data", trainer.train_loader.next_batch)
-    for part in trainer.model_parts:
-        part.forward = labelled("phase/forward", part.forward)
-    trainer.loss_fn = labelled("phase/forward", trainer.loss_fn)
-    trainer.spec = dataclasses.replace(
-        trainer.spec, post_optimizer_step=labelled("phase/optimizer", trainer.spec.post_optimizer_step))
-
-
 def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> dict | None:
     """Train `warmup + steps + 1` steps with the trainer in this process (one rank of the job under torchrun)
     and measure them; returns the report on rank 0, None on the other ranks. `gemm_n`: the size of the peak's
     GEMMs (None: GEMM_N of the device)."""
     import torch
     import torch.distributed as dist
-    import trainer.train as train_module
     from quantization.fp8.accounting import fp8_flops_per_token
     from quantization.fp8.config import fp8_selection
     from torch.profiler import ProfilerActivity, profile, record_function
     from trainer import device as devices
-    from trainer.job_config import load_config
+    from trainer.job_config import load_config, model_job
     from trainer.train import Trainer, prepare
 
     total = warmup + steps + 1
@@ -288,42 +278,37 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
         gemm_n = gemm_n or GEMM_N[device.type]
         try:
             trainer = Trainer(prep, device)
-            _instrument(trainer)
-            profiled_step, step_fn, prof_box = total, trainer.train_step, []
+            profiled_step, prof_box = total, []
             step_times, allocator_peaks = [], []
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
-            def timed_step(step: int) -> dict:
+            @contextlib.contextmanager
+            def timed(step: int):
                 # from one device synchronisation to the next: on CUDA the step's kernels may still run when
                 # train_step returns
                 synchronize(device)
                 t0 = time.perf_counter()
-                scalars = step_fn(step)
+                yield
                 synchronize(device)
                 step_times.append(time.perf_counter() - t0)
                 if cuda:  # the step's own peaks: the trainer's monitor resets them at every step end
                     allocator_peaks.append((torch.cuda.max_memory_allocated(device),
                                             torch.cuda.max_memory_reserved(device)))
-                return scalars
 
-            def train_step(step: int) -> dict:
-                if step != profiled_step:
-                    return timed_step(step)
+            @contextlib.contextmanager
+            def profiled(step: int):
+                # the trainer labels data, forward and optimizer itself; waiting on a collective is labelled here
                 with profile(activities=activities) as prof, \
-                        mock.patch.object(train_module, "clip_grad_norm_",
-                                          labelled("phase/optimizer", train_module.clip_grad_norm_)), \
                         mock.patch.object(dist.Work, "wait", labelled("phase/communication", dist.Work.wait)), \
                         record_function(STEP_LABEL):
                     synchronize(device)
-                    scalars = step_fn(step)
+                    yield
                     synchronize(device)
                 prof_box.append(prof)
-                return scalars
 
-            trainer.train_step = train_step
             history: list[dict] = []
             try:
-                trainer.train(history)
+                trainer.train(history, around_step=lambda step: (profiled if step == profiled_step else timed)(step))
             finally:
                 trainer.close()
 
@@ -354,8 +339,8 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
     tokens_per_s = tokens_per_step / median
     flops = trainer.flops_per_token
     model_tflops = tokens_per_s * flops / 1e12
-    module_flops = trainer.spec.module_flops
-    selection = fp8_selection(cfg.fp8, trainer.spec.module_defaults)
+    module_flops = trainer.spec.tools.module_flops
+    selection = fp8_selection(cfg.fp8, trainer.spec.plan.module_defaults)
     fp8_flops = fp8_flops_per_token(selection, module_flops(trainer.model_args)) if module_flops else None
     mfu_recipe = None
     if cfg.fp8.recipe != "none" and fp8_flops is not None:

@@ -1,8 +1,8 @@
 """The token dispatcher interface between the MoE layer and its communication backend.
 
-It lives below the models and the parallelisms so that a model's MoE calls it without importing the parallelisms,
-while the comm backends (`parallelisms/moe_comm/`) subclass it. `MoE.forward` calls `dispatch` after routing and `combine`
-after the experts; what happens in between (nothing, or an exchange over the EP group) is the backend's business.
+It lives below the models and the parallelisms so that a model's MoE calls it without importing the
+parallelisms, while the comm backends (`parallelisms/moe_comm/`) subclass it. `MoE.forward` calls `dispatch` after
+routing and `combine` after the experts; what happens in between (nothing, or an exchange over the EP group) is the backend's business.
 The per-call state is returned by `dispatch` and handed back to `combine` explicitly: a backend never keeps it on
 `self`, so an activation-checkpoint recompute or a second pipeline microbatch cannot overwrite the state of another
 call.
@@ -84,11 +84,12 @@ class TokenDispatcher:
         return {}
 
     @classmethod
-    def config_problem(cls, job_config, parallel_dims) -> tuple[str, str, str] | None:
+    def config_problem(cls, parallel_dims, activation_checkpoint, compile) -> tuple[str, str, str] | None:
         """The first reason this backend cannot run the job, as (config key, problem, allowed values), or None.
 
         Runs in preflight and in every rank before any process-group work: check what needs neither the model nor
-        a process group (`parallel_dims` holds the resolved degrees).
+        a process group, from the resolved degrees (`parallel_dims`) and the `[activation_checkpoint]` and
+        `[compile]` sections (the settings that decide how the backend's ops are recomputed and traced).
         """
         return None
 

@@ -51,7 +51,7 @@ class CompileSection:
 
 
 __all__ = ["SECONDS_PER_GRAPH", "CompileSection", "CompileUnit", "apply_compile", "compile_loss", "compiled_modules",
-           "first_compile"]
+           "compiles_model", "first_compile"]
 
 SECONDS_PER_GRAPH = 15
 """Cold compile time of one graph (forward + backward) on the 2-core CPU dev machine, from the measurement in
@@ -78,19 +78,20 @@ class CompileUnit:
     dynamic_rows: bool = False
 
 
-def apply_compile(units: Sequence[CompileUnit], compile_cfg, graphs_per_code: int,
-                  problem: str | None = None) -> None:
+def compiles_model(compile_cfg) -> bool:
+    """Whether the `[compile]` section compiles the model's units (not only the loss)."""
+    return compile_cfg.enable and "model" in compile_cfg.components
+
+
+def apply_compile(units: Sequence[CompileUnit], compile_cfg, graphs_per_code: int) -> None:
     """Compile `units` in place when `compile_cfg.enable` and "model" is in `compile_cfg.components`.
 
     graphs_per_code: how many graphs one code object may need in this process (the recompile limit); past it
-        fullgraph=True fails. problem: why this model cannot be compiled (raised as ValueError when compiling),
-        or None. Call it after `apply_expert_parallel` (the dispatcher decides the units) and `apply_ac`, and
-        before `apply_fsdp`.
+        fullgraph=True fails. Call it after `apply_expert_parallel` (the dispatcher decides the units) and
+        `apply_ac`, and before `apply_fsdp`.
     """
-    if not (compile_cfg.enable and "model" in compile_cfg.components):
+    if not compiles_model(compile_cfg):
         return
-    if problem is not None:
-        raise ValueError(problem)
     compile_kwargs = dict(backend=compile_cfg.backend, fullgraph=True)
     _allow_recompiles(compile_kwargs, graphs_per_code)
     for unit in units:

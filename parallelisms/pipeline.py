@@ -4,7 +4,7 @@ schedule.
 Split: the model spec names the units in forward order (`SplitUnits`: a first unit that takes the tokens, e.g.
 the embedding; the repeated blocks; a last unit that makes the output, e.g. the final norm and the head); the first
 and the last unit each count as one layer when balancing stages.
-The spec's `pipeline_stage(model, names)` makes each stage: a copy of the (meta-device) model that keeps only the
+The spec's `pipeline.stage(model, names)` makes each stage: a copy of the (meta-device) model that keeps only the
 named modules, with the parameter names of the full model. Stage s of S runs on pipeline rank s % pp for looped
 schedules, and on rank s or 2*pp-1-s for V-shaped ones (ZBVZeroBubble, DualPipeV).
 
@@ -164,26 +164,17 @@ def plan_stages(units: SplitUnits, pp: int, pp_rank: int, par_cfg) -> StagePlan:
     return StagePlan(names, stage_ids_of_rank(pp_rank, pp, len(names), v_shape), v_shape)
 
 
-def build_pipeline(model: nn.Module, units: SplitUnits, keep: Callable[[nn.Module, list[str]], nn.Module],
-                   parallel_dims, meshes, par_cfg, n_microbatches: int, loss_fn: Callable,
-                   parallelize: Callable[[nn.Module], nn.Module], device: torch.device) -> Pipeline:
-    """Split `model` along `units`, parallelize and wrap this rank's stages, and build the schedule.
-
-    `keep(model, names)` is the model's stage maker (a copy holding only the named modules); `parallelize(part)`
-    applies EP/AC/compile/FSDP to one stage; it runs before materialisation, like for a model without pipeline
-    parallelism.
-    """
+def build_schedule(parts: list[nn.Module], plan: StagePlan, parallel_dims, meshes, par_cfg, n_microbatches: int,
+                   loss_fn: Callable, device: torch.device) -> Pipeline:
+    """Wrap this rank's stage modules `parts` (already split by `plan` and parallelized, possibly still on the meta
+    device) in pipeline stages and build the schedule of `par_cfg`."""
     schedule_name = par_cfg.pipeline_parallel_schedule
-    plan = plan_stages(units, parallel_dims.pp, meshes.pp.get_local_rank(), par_cfg)
-    parts, stages = [], []
-    for stage_id in plan.stage_ids:
-        part = parallelize(keep(model, plan.names[stage_id]))
-        parts.append(part)
-        stages.append(PipelineStage(part, stage_id, plan.n_stages, device, group=meshes.group("pp")))
+    stages = [PipelineStage(part, stage_id, plan.n_stages, device, group=meshes.group("pp"))
+              for part, stage_id in zip(parts, plan.stage_ids)]
     if schedule_name in SINGLE_STAGE:
         schedule = SINGLE_STAGE[schedule_name](stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn,
                                                scale_grads=False)
     else:
         cls = {**LOOPED, **V_SHAPED}[schedule_name]
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(schedule, parts, plan.stage_ids, plan.n_stages, plan.v_shape, meshes.group("pp"))
+    return Pipeline(schedule, list(parts), plan.stage_ids, plan.n_stages, plan.v_shape, meshes.group("pp"))

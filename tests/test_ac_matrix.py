@@ -203,7 +203,7 @@ def test_eight_ranks_pipeline_with_sharded_experts(tmp_path, references):
 def test_mission_layout_dry_run_with_deepep_and_selective_ac():
     """The mission's NGPU=16 layout (PP 2 x FSDP 8 x EP 4, DeepEP, selective AC) passes every check and plans both
     stages: experts split 4-way by EP and FSDP-sharded 2-way, with AC applied (the dry run builds the real wrappers)."""
-    from trainer.dry_run import report
+    from trainer.tools.dry_run import report
 
     cfg = load_config(["--job.config_file", "train_configs/deepseek_v3_16b.toml",
                        "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "8",

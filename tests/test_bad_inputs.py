@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from core.config import run_with_config_errors
-from trainer.preflight import _check
+from trainer.tools.preflight import main as _check
 
 BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
         "--training.local_batch_size", "2", "--memory.track", "off"]

@@ -285,7 +285,7 @@ def _train(trainer: Trainer) -> list[float]:
 def _refused_in_preflight(argv: list[str], capsys) -> str:
     """The one line `python -m trainer.preflight` ends with (exit code 2, no traceback)."""
     from core.config import run_with_config_errors
-    from trainer.preflight import _check
+    from trainer.tools.preflight import main as _check
 
     with pytest.raises(SystemExit) as exc:
         run_with_config_errors(_check, argv)

@@ -47,7 +47,7 @@ class AllGatherDispatcher(TokenDispatcher):
         self.first_expert = dist.get_rank(group) * self.num_local_experts
 
     @classmethod
-    def config_problem(cls, job_config, parallel_dims):
+    def config_problem(cls, parallel_dims, activation_checkpoint, compile):
         if not parallel_dims.ep_enabled:
             return ("parallelism.expert_parallel_comm_backend", "toy_allgather needs expert_parallel_degree > 1",
                     "alltoall with EP = 1")

@@ -450,13 +450,20 @@ def test_compiled_fp8_gemms_match_eager():
 
 
 def test_default_names_valid_for_a_model_without_dense_layers():
-    """The default filters name feed_forward; a model with no dense layer must still pass, recipe off or on."""
-    from models.deepseek_v3 import _check_fp8
-    from models.deepseek_v3.args import FLAVORS
-    from trainer.job_config import load_config
+    """The default filters name feed_forward; a model with no dense layer must still pass, recipe off or on, while
+    a name that matches no block of either kind is refused."""
+    from core.config import ConfigError
+    from models.deepseek_v3 import build_args
+    from trainer.job_config import load_config, model_job
+
+    def args_of(*extra):
+        return build_args(model_job(load_config(["--model.n_dense_layers", "0", *extra])))
 
     for recipe in ("none", "blockwise"):
-        _check_fp8(load_config(["--fp8.recipe", recipe]), FLAVORS["debugmodel"].replace(n_dense_layers=0))
+        assert args_of("--fp8.recipe", recipe).n_dense_layers == 0
+        assert args_of("--fp8.recipe", recipe, "--fp8.modules", "feed_forward,moe").n_dense_layers == 0
+        with pytest.raises(ConfigError, match="fp8.modules: 'ffn' matches no linear"):
+            args_of("--fp8.recipe", recipe, "--fp8.modules", "ffn")
 
 
 def test_fp8_curves_benchmark_smoke(capsys):

@@ -31,7 +31,7 @@ from models.deepseek_v3.hf import (
     to_hf,
 )
 from models.deepseek_v3.model import DeepSeekV3Model
-from trainer.job_config import load_config
+from trainer.job_config import load_config, model_job
 from trainer.train import run
 
 transformers = pytest.importorskip("transformers")
@@ -414,8 +414,9 @@ def test_model_mtp_layers_builds_the_flavors_or_configs_depth_none_or_n(tmp_path
     config.write_text(json.dumps(hf_config_from_args(FLAVORS["debugmodel"].replace(num_mtp_layers=1))))
     build_args = get_model_spec("deepseek_v3").build_args
     argv = ["--job.config_file", "train_configs/debug_model.toml", "--model.mtp_layers", mtp_layers]
-    assert build_args(load_config(argv)).num_mtp_layers == from_flavor
-    assert build_args(load_config(argv + ["--model.hf_config_path", str(config)])).num_mtp_layers == from_hf_config
+    assert build_args(model_job(load_config(argv))).num_mtp_layers == from_flavor
+    with_hf_config = model_job(load_config(argv + ["--model.hf_config_path", str(config)]))
+    assert build_args(with_hf_config).num_mtp_layers == from_hf_config
 
 
 # ------------------------------------------------------------------------------------------------ CLI

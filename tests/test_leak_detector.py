@@ -212,7 +212,7 @@ def test_a_run_stopped_by_the_leak_detector_logs_its_alarm_step_first(small_mode
     """With fail_on_leak the run stops at the alarm, and tensorboard already holds that step (its allocation, its
     slope and the alarm marker): `trainer.plot_memory` reports the leak like the console (before, the alarm's step
     never reached tensorboard and the plot said "no leak")."""
-    from trainer.plot_memory import find_run, load_runs
+    from trainer.tools.plot_memory import find_run, load_runs
 
     kept = []
     train_step = Trainer.train_step

@@ -11,9 +11,9 @@ import torch
 
 from benchmarks import memory_plan_check
 from models.deepseek_v3.model import DeepSeekV3Model
-from trainer.dry_run import report
-from trainer.job_config import load_config
-from trainer.memory_plan import plan
+from trainer.tools.dry_run import report
+from trainer.job_config import load_config, model_job
+from trainer.tools.memory_plan import plan
 from trainer.registry import get_model_spec
 from trainer.train import Trainer, prepare
 
@@ -52,7 +52,7 @@ def test_cli_json_one_rank():
     # one rank holds the whole model: its parameters counted on the meta device
     cfg = load_config(["--job.config_file", os.path.join(CONFIGS, "debug_model.toml")])
     with torch.device("meta"):
-        model = DeepSeekV3Model(get_model_spec(cfg.model.name).build_args(cfg))
+        model = DeepSeekV3Model(get_model_spec(cfg.model.name).build_args(model_job(cfg)))
     assert rank["params"] == sum(p.numel() for p in model.parameters())
 
 
@@ -66,7 +66,7 @@ def test_large_layouts_match_dry_run(toml, world, n_stages):
     assert [r["parameter_bytes"] for r in result["ranks"]] == [d["param_bytes"] for d in dry]
     assert [r["params"] for r in result["ranks"]] == [d["params"] for d in dry]
     # every layer lives on exactly one stage
-    n_layers = get_model_spec(cfg.model.name).build_args(cfg).n_layers
+    n_layers = get_model_spec(cfg.model.name).build_args(model_job(cfg)).n_layers
     assert sorted(i for r in result["ranks"] for i in r["layers"]) == list(range(n_layers))
 
 

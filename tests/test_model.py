@@ -466,10 +466,10 @@ def test_layer_override_cuts_16b_to_the_h100_benchmark_model():
     """train_configs/h100_bench.toml: the 16B flavor's shapes with 4 layers (1 dense + 3 MoE), as issue 14 states
     them: 2.25B parameters, 3.49 GFLOP per token at seq 4096."""
     from models.deepseek_v3 import build_args
-    from trainer.job_config import load_config
+    from trainer.job_config import load_config, model_job
 
     cfg = load_config(["--job.config_file", "train_configs/h100_bench.toml"])
-    args = build_args(cfg)
+    args = build_args(model_job(cfg))
     assert args == FLAVORS["16B"].replace(n_layers=4, n_dense_layers=1)
     c = count_params(args)
     assert c.total == pytest.approx(2.25e9, rel=0.003)
@@ -479,8 +479,9 @@ def test_layer_override_cuts_16b_to_the_h100_benchmark_model():
     assert [layer.moe_enabled for layer in model.layers.values()] == [False, True, True, True]
     assert sum(p.numel() for p in model.parameters()) == c.total
     # n_dense_layers alone, and both kept (0 / -1) leave the flavor as it is
-    assert build_args(load_config(["--model.flavor", "16B", "--model.n_dense_layers", "0"])).n_dense_layers == 0
-    assert build_args(load_config(["--model.flavor", "16B"])) == FLAVORS["16B"]
+    no_dense = model_job(load_config(["--model.flavor", "16B", "--model.n_dense_layers", "0"]))
+    assert build_args(no_dense).n_dense_layers == 0
+    assert build_args(model_job(load_config(["--model.flavor", "16B"]))) == FLAVORS["16B"]
 
 
 def test_flops_per_token_formula():

@@ -92,7 +92,7 @@ def _sharding(row: dict, suffix: str) -> list[int] | None:
 
 @pytest.mark.slow
 def test_dry_run_16b_on_16_and_671b_on_512(capsys):
-    from trainer.dry_run import report
+    from trainer.tools.dry_run import report
 
     cfg16 = load_config(["--job.config_file", "train_configs/deepseek_v3_16b.toml"])
     rows = report(cfg16, 16)

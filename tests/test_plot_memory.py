@@ -9,7 +9,7 @@ import pytest
 
 from trainer.memory.leak_detector import SLOPE_TAG
 from trainer.metrics import MetricLogger
-from trainer.plot_memory import ALLOCATED, PEAK, RSS, find_run, load_runs, render
+from trainer.tools.plot_memory import ALLOCATED, PEAK, RSS, find_run, load_runs, render
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 GiB_PER_MiB = 1 / 1024

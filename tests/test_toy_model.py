@@ -3,12 +3,13 @@ and the unchanged trainer trains it, checks its recompute names and applies acti
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
 
 from core.config import ConfigError
-from trainer.job_config import load_config, validate_job
+from trainer.job_config import load_config, model_job, validate_job
 from trainer.train import run
 
 import toy_model
@@ -48,6 +49,30 @@ def test_recompute_names_come_from_the_family():
 
 
 def test_the_family_reports_its_own_config_errors():
-    cfg = load_config(BASE + ["--compile.enable", "true"])
-    with pytest.raises(ConfigError, match="compile.components: the toy model has no compile units"):
-        toy_model.SPEC.build_args(cfg)
+    cfg = load_config(BASE + ["--model.flavor", "huge"])
+    with pytest.raises(ConfigError, match="model.flavor: unknown flavor 'huge'; allowed: tiny"):
+        toy_model.SPEC.build_args(model_job(cfg))
+    cfg = load_config(BASE + ["--fp8.recipe", "blockwise", "--fp8.modules", "attention"])
+    with pytest.raises(ConfigError, match="fp8.modules: 'attention' matches no linear .*names or dotted parts of: mlp.w1"):
+        toy_model.SPEC.build_args(model_job(cfg))
+
+
+@pytest.mark.slow
+def test_the_family_trains_with_fp8_selective_ac_and_compile_under_its_own_names(tmp_path, caplog):
+    """Nothing outside tests/toy_model.py names the toy's modules: its "default" module names select its MLPs for
+    FP8 and its norms for recompute, and compile takes its blocks. Blockwise FP8 with selective AC, compiled, trains
+    like the same run in eager (FP8's numbers do not depend on compile beyond rounding)."""
+    caplog.set_level(logging.INFO)
+    fp8 = ["--fp8.recipe", "blockwise", "--activation_checkpoint.mode", "selective"]
+    histories = {}
+    for name, extra in {"eager": [], "compiled": ["--compile.enable", "true"]}.items():
+        history: list[dict] = []
+        run(load_config(BASE + fp8 + extra + ["--job.dump_folder", str(tmp_path / name)]), history=history)
+        histories[name] = [h["loss"] for h in history]
+    messages = [r.getMessage() for r in caplog.records]
+    converted = [m for m in messages if m.startswith("fp8 blockwise: ")]
+    assert converted and all(m.startswith("fp8 blockwise: 6 modules converted (layers.0.mlp.w1") for m in converted)
+    assert not [m for m in messages if "matches no module" in m]
+    assert any(m.startswith("compiling 2 blocks and the loss") for m in messages)
+    assert histories["compiled"] == pytest.approx(histories["eager"], rel=1e-4), histories
+    assert histories["eager"][-1] < histories["eager"][0]

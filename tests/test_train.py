@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from trainer import preflight
+from trainer.tools import preflight
 from core.config import ConfigError, config_to_toml, run_with_config_errors
 from trainer.job_config import load_config
 from trainer.metrics import read_scalars, run_dirs
-from core.model_spec import register_model_spec
+from core.model_spec import TrainingHooks, register_model_spec
 from trainer.registry import get_model_spec
 from trainer.train import Trainer, prepare, run
 
@@ -96,8 +96,8 @@ def test_compile_is_announced_with_an_estimate_before_the_first_step(tmp_path, c
     trainer.close()
     # the debug model: one dense and five MoE blocks share two block graphs; the loss is the third
     assert _messages(caplog, "^compiling") == [
-        "compiling 6 blocks and the loss: the first step takes ~45 s longer (estimate: 3 graphs x ~15 s, the cold "
-        "compile time per graph measured on a 2-core CPU, docs/compile.md; less with a warm inductor cache)"]
+        "compiling 6 blocks and the loss (3 graphs): the first step takes ~45 s longer (~15 s per graph, the cold "
+        "compile time measured on a 2-core CPU, docs/compile.md; less with a warm inductor cache)"]
     [memory] = _messages(caplog, "^memory:")
     assert "not tracked (compile.enable = true" in memory
 
@@ -125,20 +125,20 @@ def test_model_spec_hooks_run_at_build_and_around_every_step(tmp_path):
     base = get_model_spec("deepseek_v3")
     events = []
 
-    def configure(model, job_config):
+    def configure(model, moe_cfg):
         events.append(("configure", len(model.moe_layers())))
-        base.configure_model(model, job_config)
+        base.hooks.configure_model(model, moe_cfg)
 
     def before(model_parts, global_tokens):
         events.append(("before", global_tokens))
-        base.before_step(model_parts, global_tokens)
+        base.hooks.before_step(model_parts, global_tokens)
 
-    def post(model_parts, job_config, dp_group):
+    def post(model_parts, moe_cfg, dp_group):
         events.append(("post",))
-        return base.post_optimizer_step(model_parts, job_config, dp_group)
+        return base.hooks.post_optimizer_step(model_parts, moe_cfg, dp_group)
 
-    register_model_spec(dataclasses.replace(base, name="hooks_probe", configure_model=configure,
-                                            before_step=before, post_optimizer_step=post))
+    hooks = TrainingHooks(configure_model=configure, before_step=before, post_optimizer_step=post)
+    register_model_spec(dataclasses.replace(base, name="hooks_probe", hooks=hooks))
     cfg = _cfg(tmp_path, "--model.name", "hooks_probe", "--training.steps", "2", "--validation.enable", "false",
                "--metrics.enable_tensorboard", "false", "--memory.track", "off", "--moe.aux_loss_coeff", "0.01")
     trainer = Trainer(prepare(cfg, 1, 0), torch.device("cpu"))
@@ -153,8 +153,7 @@ def test_model_spec_hooks_run_at_build_and_around_every_step(tmp_path):
 
 
 def test_pipeline_parallel_needs_the_models_split_units():
-    register_model_spec(dataclasses.replace(get_model_spec("deepseek_v3"), name="no_split", pipeline_units=None,
-                                            pipeline_stage=None))
+    register_model_spec(dataclasses.replace(get_model_spec("deepseek_v3"), name="no_split", pipeline=None))
     cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--model.name", "no_split",
                        "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
                        "--parallelism.pipeline_parallel_microbatch_size", "1"])
@@ -207,10 +206,10 @@ def test_print_config_runs_the_checks_of_a_launch(tmp_path, capsys):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: activation_checkpoint.save_ops: "), r.stderr
     with pytest.raises(SystemExit) as exc:  # run_train.sh's preflight: the same line, and no launch after it
-        run_with_config_errors(preflight._check, ["--world-size", "2", *bad])
+        run_with_config_errors(preflight.main, ["--world-size", "2", *bad])
     assert exc.value.code == 2 and capsys.readouterr().err.strip() == lines[0]
     with pytest.raises(SystemExit) as exc:  # a valid job: printed once by preflight, nothing launched
-        run_with_config_errors(preflight._check, ["--world-size", "2", *bad[:4], "--job.print_config", "true"])
+        run_with_config_errors(preflight.main, ["--world-size", "2", *bad[:4], "--job.print_config", "true"])
     assert exc.value.code == preflight.NOTHING_TO_LAUNCH and "[activation_checkpoint]" in capsys.readouterr().out
     assert not (tmp_path / "dump").exists()
 

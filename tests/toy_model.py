@@ -3,7 +3,9 @@
 
 A dense pre-norm network: token embedding, blocks of RMSNorm + SwiGLU MLP with a residual, final norm, head. It
 has no attention (nothing mixes tokens), which is enough to show what a model family hands the trainer and the
-generic parallelisms; a real family puts its own blocks where `ToyBlock` is.
+generic layers; a real family puts its own blocks where `ToyBlock` is. Its plan applies FP8, activation
+checkpointing, compile and FSDP to its own module names (`MODULE_DEFAULTS`, `RECOMPUTE_MODULES`, `compile_units`):
+nothing outside this file names them.
 """
 
 from __future__ import annotations
@@ -14,19 +16,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.init import init_parameter_
-from parallelisms.activation_checkpoint.policy import ScopeRule, apply_ac
-from parallelisms.fsdp import FSDPUnit, apply_fsdp
 from core.config import ConfigError
 from core.loss import cross_entropy_sum
-from core.model_spec import ModelSpec, register_model_spec
+from core.model_spec import ModelJob, ModelSpec, ParallelizeJob, PlanTables, register_model_spec
+from core.names import ModuleDefaults
+from models.common.init import init_parameter_
+from parallelisms.activation_checkpoint.policy import ScopeRule, apply_ac
+from parallelisms.compile import CompileUnit, apply_compile
+from parallelisms.fsdp import FSDPUnit, apply_fsdp
+from quantization.fp8.config import fp8_config_problem, fp8_selection
+from quantization.fp8.convert import apply_fp8
 
 
 @dataclasses.dataclass(frozen=True)
 class ToyArgs:
     vocab_size: int = 2048
-    dim: int = 64
-    hidden_dim: int = 128
+    dim: int = 128  # multiples of the FP8 tile, so that the blockwise recipe converts every linear
+    hidden_dim: int = 256
     n_layers: int = 2
 
 
@@ -82,23 +88,36 @@ class ToyModel(nn.Module):
 #: the names `activation_checkpoint.recompute_modules` accepts for this family, and the submodules they cover
 RECOMPUTE_MODULES = {"mlp": (ScopeRule("mlp"),), "layernorm": (ScopeRule("norm"),)}
 
-
-def build_args(job_config) -> ToyArgs:
-    if job_config.model.flavor not in FLAVORS:
-        raise ConfigError("model.flavor", f"unknown flavor {job_config.model.flavor!r}", ", ".join(FLAVORS))
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        raise ConfigError("compile.components", "the toy model has no compile units", '["loss"] or compile off')
-    return FLAVORS[job_config.model.flavor]
+#: this family's choices where `fp8.modules`, `fp8.exclude_modules` and `force_recompute_modules` say "default"
+MODULE_DEFAULTS = ModuleDefaults(fp8_modules=("mlp",), force_recompute_modules=("norm",))
 
 
-def parallelize(model: ToyModel, parallel_dims, meshes, job_config) -> ToyModel:
-    """The family's plan: generic activation checkpointing and FSDP over its own modules (no EP: no experts)."""
-    apply_ac(model.layers, job_config.activation_checkpoint, RECOMPUTE_MODULES)
+def build_args(job: ModelJob) -> ToyArgs:
+    if job.model.flavor not in FLAVORS:
+        raise ConfigError("model.flavor", f"unknown flavor {job.model.flavor!r}", ", ".join(FLAVORS))
+    args = FLAVORS[job.model.flavor]
+    with torch.device("meta"):
+        problem = fp8_config_problem(fp8_selection(job.fp8, MODULE_DEFAULTS), [ToyBlock(args)])
+    if problem is not None:
+        raise ConfigError(*problem)
+    return args
+
+
+def compile_units(model: ToyModel) -> list[CompileUnit]:
+    """Every block is one graph (they differ only in their weights, so they share it)."""
+    return [CompileUnit(block, block) for block in model.layers.values()]
+
+
+def parallelize(model: ToyModel, parallel_dims, meshes, job: ParallelizeJob) -> ToyModel:
+    """The family's plan: the generic FP8, activation checkpointing, compile and FSDP over its own modules (no EP:
+    no experts)."""
+    apply_fp8({f"layers.{i}": block for i, block in model.layers.items()}, fp8_selection(job.fp8, MODULE_DEFAULTS))
+    apply_ac(model.layers, job.activation_checkpoint, RECOMPUTE_MODULES, MODULE_DEFAULTS.force_recompute_modules)
+    apply_compile(compile_units(model), job.compile, graphs_per_code=2 * model.args.n_layers)
     if parallel_dims.dp_enabled:
         units = [FSDPUnit(model.tok_embeddings), *(FSDPUnit(b) for b in model.layers.values()),
                  FSDPUnit([model.norm, model.output], reshard_after_forward=False)]
-        apply_fsdp(units, model, meshes, job_config.training.dtype, job_config.training.mixed_precision_reduce,
-                   reshard_after_forward=True)
+        apply_fsdp(units, model, meshes, job.dtype, job.reduce_dtype, reshard_after_forward=True)
     return model
 
 
@@ -113,13 +132,11 @@ def counts(args: ToyArgs, seq_len: int) -> tuple[int, int, float]:
 SPEC = ModelSpec(
     name="toy_dense",
     model_cls=ToyModel,
-    flavors=FLAVORS,
     build_args=build_args,
-    parallelize_fn=parallelize,
+    parallelize=parallelize,
     build_loss_fn=lambda args: cross_entropy_sum,
-    post_optimizer_step=lambda model_parts, job_config, dp_group: {},
-    counts=counts,
-    recompute_modules=RECOMPUTE_MODULES,
+    param_and_flop_counts=counts,
+    plan=PlanTables(recompute_modules=RECOMPUTE_MODULES, module_defaults=MODULE_DEFAULTS, compile_units=compile_units),
 )
 
 

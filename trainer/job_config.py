@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from parallelisms.activation_checkpoint.config import ActivationCheckpointSection, ac_config_problem
-from parallelisms.compile import CompileSection
+from parallelisms.compile import CompileSection, compiles_model
 from quantization.fp8.config import Fp8Section
 from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.parallel_dims import ParallelDims, ParallelismSection
@@ -36,6 +36,7 @@ from trainer.memory.config import MemorySection
 from trainer.metrics import MetricsSection
 from trainer.optimizer import OptimizerSection
 from core.model_config import ModelSection, MoESection
+from core.model_spec import ModelJob, ParallelizeJob
 from trainer.registry import get_model_spec
 from trainer.tokenizer import TokenizerSection
 from trainer.training_config import TrainingSection, ValidationSection
@@ -105,6 +106,22 @@ def load_config(argv: Sequence[str]) -> JobConfig:
     return load(JobConfig, argv, config_file_key="job.config_file")
 
 
+def model_job(cfg: JobConfig) -> ModelJob:
+    """What a model family reads of the job to build its args (`ModelSpec.build_args`)."""
+    par = cfg.parallelism
+    return ModelJob(model=cfg.model, moe=cfg.moe, seq_len=cfg.training.seq_len,
+                    expert_parallel_degree=par.expert_parallel_degree,
+                    pipeline_parallel_degree=par.pipeline_parallel_degree,
+                    compile_model=compiles_model(cfg.compile), fp8=cfg.fp8)
+
+
+def parallelize_job(cfg: JobConfig) -> ParallelizeJob:
+    """The sections a model's parallelize plan reads (`ModelSpec.parallelize`)."""
+    return ParallelizeJob(parallelism=cfg.parallelism, activation_checkpoint=cfg.activation_checkpoint,
+                          compile=cfg.compile, fp8=cfg.fp8, dtype=cfg.training.dtype,
+                          reduce_dtype=cfg.training.mixed_precision_reduce)
+
+
 def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
     """Each section's own checks, then those across sections and against the world size; returns the resolved
     ParallelDims.
@@ -126,7 +143,8 @@ def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
             f"-1 or a multiple of {per_step}",
         )
 
-    comm_problem = get_comm_backend(cfg.parallelism.expert_parallel_comm_backend).config_problem(cfg, dims)
+    backend = get_comm_backend(cfg.parallelism.expert_parallel_comm_backend)
+    comm_problem = backend.config_problem(dims, cfg.activation_checkpoint, cfg.compile)
     if comm_problem is not None:
         raise ConfigError(*comm_problem)
 
@@ -137,11 +155,8 @@ def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
     if cfg.compile.enable and cfg.memory.track == "exact":
         raise ConfigError("memory.track", "exact tracking makes compiled code run eagerly (it would silently "
                           "measure an uncompiled run)", "auto or off with compile.enable = true")
-    if cfg.compile.enable and "model" in cfg.compile.components and not cfg.moe.use_grouped_mm:
-        raise ConfigError("moe.use_grouped_mm", "the per-expert loop syncs with the host and cannot be compiled",
-                          "true with compile.components containing model")
     ac_problem = ac_config_problem(cfg.activation_checkpoint, _recompute_modules(cfg.model.name),
-                                   compile_model=cfg.compile.enable and "model" in cfg.compile.components)
+                                   compile_model=compiles_model(cfg.compile))
     if ac_problem is not None:
         raise ConfigError(*ac_problem)
     return dims
@@ -151,7 +166,7 @@ def _recompute_modules(model_name: str):
     """The model spec's recompute-name table (no model is built), or None for a model the registry does not know:
     `trainer.train.prepare` reports that one."""
     try:
-        return get_model_spec(model_name).recompute_modules
+        return get_model_spec(model_name).plan.recompute_modules
     except KeyError:
         return None
 

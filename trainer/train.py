@@ -26,9 +26,11 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from parallelisms.activation_checkpoint.config import save_ops_warning
@@ -36,13 +38,14 @@ from parallelisms.clip import clip_grad_norm_
 from parallelisms.compile import SECONDS_PER_GRAPH, compile_loss, first_compile
 from parallelisms.mesh import build_meshes
 from parallelisms.moe_comm.registry import get_comm_backend
-from parallelisms.pipeline import build_pipeline
+from parallelisms.pipeline import build_schedule
 from trainer import device as devices
 from trainer.checkpoint.files import CheckpointError, latest_checkpoint
 from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError
 from trainer.checkpoint.weights import WeightMismatch, check_checkpoint
 from core.config import ConfigError, config_to_toml
-from trainer.job_config import JobConfig, load_config, validate_job
+from trainer.build import build_model_parts, materialize
+from trainer.job_config import JobConfig, load_config, model_job, validate_job
 from trainer.data.config import DatasetError
 from trainer.data.for_job import build_loader, data_errors_at, holds_out
 from core.loss import ScaledLoss, count_valid_tokens
@@ -124,10 +127,13 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
         spec = get_model_spec(cfg.model.name)
     except KeyError:
         raise ConfigError("model.name", f"unknown model {cfg.model.name!r}", ", ".join(available_models()))
-    if dims.pp_enabled and spec.pipeline_units is None:
+    if cfg.checkpoint.initial_load_in_hf and spec.checkpoints.hf is None:
+        raise ConfigError("checkpoint.initial_load_in_hf", f"model {cfg.model.name!r} cannot read Hugging Face "
+                          "checkpoints", "false")
+    if dims.pp_enabled and spec.pipeline is None:
         raise ConfigError("parallelism.pipeline_parallel_degree", f"model {cfg.model.name!r} has no pipeline split",
                           "1")
-    model_args = spec.build_args(cfg)
+    model_args = spec.build_args(model_job(cfg))
     try:
         tokenizer = build_tokenizer(cfg.tokenizer.path)
     except ValueError as e:
@@ -162,14 +168,13 @@ def _check_checkpoints(cfg: JobConfig, spec, model_args) -> str | None:
         if resume is not None:
             mismatch = check_checkpoint(resume, shapes)
         elif ckpt.initial_load_in_hf:
-            missing, extra, reshaped = spec.state_dict_adapter.compare_checkpoint(ckpt.initial_load_path,
-                                                                                  model_args)
+            missing, extra, reshaped = spec.checkpoints.hf.compare_checkpoint(ckpt.initial_load_path, model_args)
             mismatch = WeightMismatch(ckpt.initial_load_path, list(missing), list(missing.values()), extra, reshaped)
         else:
             mismatch = check_checkpoint(ckpt.initial_load_path, shapes, model_only=True)
     except (CheckpointError, ValueError) as e:
         raise ConfigError("checkpoint", str(e))
-    problem = mismatch.problem(spec.optional_weights, ckpt.allow_partial_load, resume=resume is not None)
+    problem = mismatch.problem(spec.checkpoints.optional_weights, ckpt.allow_partial_load, resume=resume is not None)
     if problem is not None:
         raise ConfigError("checkpoint", problem)
     return mismatch.note()
@@ -193,29 +198,18 @@ class Trainer:
 
         self.model_args = prep.model_args
         self.loss_fn = compile_loss(self.spec.build_loss_fn(prep.model_args), cfg.compile)
-        with torch.device("meta"):
-            model = self.spec.model_cls(prep.model_args)
-        self.spec.configure_model(model, cfg)
-
-        def parallelize(part: torch.nn.Module) -> torch.nn.Module:
-            return self.spec.parallelize_fn(part, self.dims, self.meshes, cfg)
-
+        built = build_model_parts(self.spec, prep.model_args, cfg, self.dims, self.meshes)
+        self.model_parts = built.parts
         self.pipeline, self.schedule, self.has_first_stage, self.has_last_stage = None, None, True, True
         if self.dims.pp_enabled:
             n_microbatches = cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
             # the schedule runs backward on each microbatch's loss itself: it gets the loss already scaled
             self.pp_loss = ScaledLoss(self.loss_fn)
-            self.pipeline = build_pipeline(model, self.spec.pipeline_units(prep.model_args), self.spec.pipeline_stage,
-                                           self.dims, self.meshes, cfg.parallelism, n_microbatches, self.pp_loss,
-                                           parallelize, device)
-            self.schedule, self.model_parts = self.pipeline.schedule, self.pipeline.parts
+            self.pipeline = build_schedule(built.parts, built.stage_plan, self.dims, self.meshes, cfg.parallelism,
+                                           n_microbatches, self.pp_loss, device)
+            self.schedule = self.pipeline.schedule
             self.has_first_stage, self.has_last_stage = self.pipeline.has_first_stage, self.pipeline.has_last_stage
-        else:
-            self.model_parts = [parallelize(model)]
-        for part in self.model_parts:
-            part.to_empty(device=device)
-            part.init_weights(buffer_device=device, seed=cfg.training.seed)
-            part.train()
+        materialize(self.model_parts, device, cfg.training.seed)
 
         if cfg.checkpoint.initial_load_in_hf:
             self._load_hf_weights(cfg.checkpoint.initial_load_path)
@@ -223,7 +217,7 @@ class Trainer:
         self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.model_parts]
         self.lr_schedulers = [build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)
                               for opt in self.optimizers]
-        self.total_params, self.active_params, self.flops_per_token = self.spec.counts(
+        self.total_params, self.active_params, self.flops_per_token = self.spec.param_and_flop_counts(
             prep.model_args, cfg.training.seq_len)
         # FSDP casts parameters itself (MixedPrecisionPolicy); without FSDP, bf16 compute comes from autocast
         self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
@@ -274,13 +268,17 @@ class Trainer:
         cfg = self.cfg.compile
         if not cfg.enable:
             return
-        units_of = self.spec.compile_units or (lambda part: [])
+        units_of = self.spec.plan.compile_units or (lambda part: [])
         blocks, graphs = first_compile([unit for part in self.model_parts for unit in units_of(part)])
         loss = "loss" in cfg.components
         graphs += loss
-        logger.info("compiling %d blocks%s: the first step takes ~%d s longer (estimate: %d graphs x ~%d s, the "
-                    "cold compile time per graph measured on a 2-core CPU, docs/compile.md; less with a warm "
-                    "inductor cache)", blocks, " and the loss" if loss else "", graphs * SECONDS_PER_GRAPH, graphs,
+        what = f"compiling {blocks} blocks{' and the loss' if loss else ''} ({graphs} graphs)"
+        if self.device.type != "cpu":
+            logger.info("%s: the first step takes longer", what)
+            return
+        # the per-graph time was measured on CPU only: an estimate for CPU runs, nothing claimed elsewhere
+        logger.info("%s: the first step takes ~%d s longer (~%d s per graph, the cold compile time measured on a "
+                    "2-core CPU, docs/compile.md; less with a warm inductor cache)", what, graphs * SECONDS_PER_GRAPH,
                     SECONDS_PER_GRAPH)
 
     def _enter_train_timeout(self) -> None:
@@ -314,7 +312,7 @@ class Trainer:
 
     def _load_hf_weights(self, path: str) -> None:
         """Initial weights from a HF checkpoint directory, read in full on every rank, then sharded."""
-        full = self.spec.state_dict_adapter.read_hf_state_dict(path, self.model_args, torch.float32,
+        full = self.spec.checkpoints.hf.read_hf_state_dict(path, self.model_args, torch.float32,
                                                                partial=self.cfg.checkpoint.allow_partial_load)
         for part in self.model_parts:
             set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
@@ -344,14 +342,16 @@ class Trainer:
             if self.schedule is not None:
                 # the schedule splits the local batch into pipeline microbatches and runs forward and backward
                 losses = [] if self.has_last_stage else None
-                self.schedule.step(*((x,) if self.has_first_stage else ()),
-                                   target=y if self.has_last_stage else None, losses=losses)
+                # forward ops count as forward, autograd's own ranges inside as backward (benchmarks/throughput.py)
+                with record_function("phase/forward"):
+                    self.schedule.step(*((x,) if self.has_first_stage else ()),
+                                       target=y if self.has_last_stage else None, losses=losses)
                 if self.has_last_stage:
                     loss_sum += torch.stack([loss.detach() for loss in losses]).sum() * global_tokens
                 continue
-            with self.autocast:
+            with record_function("phase/forward"), self.autocast:
                 out = model(x)
-            micro_loss = self.loss_fn(out, y)
+                micro_loss = self.loss_fn(out, y)
             del out  # free the logits before backward allocates their gradient
             (micro_loss / global_tokens).backward()
             loss_sum += micro_loss.detach()
@@ -363,10 +363,11 @@ class Trainer:
         """One optimizer step over the global batch; returns the scalars to log."""
         cfg = self.cfg
         position = self.train_loader.state_dict() if self.preemption.signals else None
-        inputs, labels = self.train_loader.next_batch()
+        with record_function("phase/data"):
+            inputs, labels = self.train_loader.next_batch()
         self._advance("counting the batch's tokens")
         global_tokens = self._all_reduce_sum(count_valid_tokens(labels).to(self.device)).item()
-        self.spec.before_step(self.model_parts, global_tokens)
+        self.spec.hooks.before_step(self.model_parts, global_tokens)
 
         try:
             loss_sum = self._forward_backward(inputs, labels, global_tokens)
@@ -376,21 +377,22 @@ class Trainer:
             self.train_loader.load_state_dict(position)
             raise
         self._advance("gradient clipping and optimizer step")
-        params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, cfg.training.max_norm, self.pp_group)
-        loss = self._all_reduce_sum(loss_sum, with_pp=True).item() / global_tokens
-        lr = self.lr_schedulers[0].get_last_lr()[0]
-        finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
-        if finite:
+        with record_function("phase/optimizer"):
+            params = [p for part in self.model_parts for p in part.parameters()]
+            grad_norm = clip_grad_norm_(params, cfg.training.max_norm, self.pp_group)
+            loss = self._all_reduce_sum(loss_sum, with_pp=True).item() / global_tokens
+            lr = self.lr_schedulers[0].get_last_lr()[0]
+            finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
+            if finite:
+                for opt in self.optimizers:
+                    opt.step()
+            for sched in self.lr_schedulers:
+                sched.step()
             for opt in self.optimizers:
-                opt.step()
-        for sched in self.lr_schedulers:
-            sched.step()
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        if not finite:
-            self._handle_nonfinite(step, loss, grad_norm.item())
-        scalars = self.spec.post_optimizer_step(self.model_parts, cfg, self.dp_group)
+                opt.zero_grad(set_to_none=True)
+            if not finite:
+                self._handle_nonfinite(step, loss, grad_norm.item())
+            scalars = self.spec.hooks.post_optimizer_step(self.model_parts, cfg.moe, self.dp_group)
         scalars.update({"loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
                         "local_tokens": float(inputs.numel()), "global_tokens": float(global_tokens)})
         return scalars
@@ -432,10 +434,14 @@ class Trainer:
                 part.train()
         return (self._all_reduce_sum(total, with_pp=True) / self._all_reduce_sum(tokens)).item()
 
-    def train(self, history: list[dict] | None = None) -> list[float]:
+    def train(self, history: list[dict] | None = None,
+              around_step: Callable[[int], contextlib.AbstractContextManager] | None = None) -> list[float]:
         """Run `training.steps` steps; returns the loss of every step (and appends all scalars to `history`).
 
-        Ends with a one-line summary of the run on rank 0.
+        `around_step(step)`, when given, is a context entered around each step's `train_step` (a benchmark times or
+        profiles steps with it; the step's phases are labelled `phase/data`, `phase/forward` and
+        `phase/optimizer` for the profiler, backward is autograd's own). Ends with a one-line summary of the run
+        on rank 0.
         """
         cfg = self.cfg
         losses = []
@@ -449,7 +455,8 @@ class Trainer:
                 self._advance("reading its batch", step)
                 t0 = time.perf_counter()
                 try:
-                    with data_errors_at(cfg, step, self.rank, validation=False):
+                    with data_errors_at(cfg, step, self.rank, validation=False), \
+                            (around_step(step) if around_step else contextlib.nullcontext()):
                         scalars = self.train_step(step)
                 except PreemptedError:  # between microbatches: the step was rolled back
                     self._stop_for_preemption(step - 1)

@@ -7,7 +7,9 @@ import torch
 from quantization.fp8.config import fp8_config_problem, fp8_selection, selected_modules
 from core.config import ConfigError
 from core.loss import IGNORE_INDEX, cross_entropy_sum
-from core.model_spec import ModelSpec, register_model_spec
+from core.model_config import MoESection
+from core.model_spec import (Checkpoints, ModelJob, ModelSpec, PipelineSplit, PlanTables, ToolHooks,
+                             TrainingHooks, register_model_spec)
 
 from .args import FLAVORS, ModelArgs
 from . import hf
@@ -16,14 +18,15 @@ from .hf import load_hf_pretrained
 from .memory_plan import stage_memory
 from .model import DeepSeekV3Model, TransformerBlock
 from .moe import update_expert_bias
-from .parallelize import MODULE_DEFAULTS, RECOMPUTE_MODULES, compile_units, parallelize_deepseek_v3
+from .parallelize import (MODULE_DEFAULTS, RECOMPUTE_MODULES, compile_problem, compile_units,
+                          parallelize_deepseek_v3)
 from .pipeline import keep_stage, split_units
 
 
-def build_args(job_config) -> ModelArgs:
+def build_args(job: ModelJob) -> ModelArgs:
     """Model args for the job: the flavor (or a HF config.json) with `model.n_layers` / `model.n_dense_layers`
     applied, adapted to the job's MoE switches."""
-    model_cfg = job_config.model
+    model_cfg = job.model
     if model_cfg.hf_config_path:
         try:
             args = hf.args_from_hf_config_file(model_cfg.hf_config_path)
@@ -33,22 +36,25 @@ def build_args(job_config) -> ModelArgs:
         args = FLAVORS[model_cfg.flavor]
     else:
         raise ConfigError("model.flavor", f"unknown flavor {model_cfg.flavor!r}", ", ".join(FLAVORS))
-    args = _override_layers(args, model_cfg).replace(use_grouped_mm=job_config.moe.use_grouped_mm)
-    seq_len = job_config.training.seq_len
+    args = _override_layers(args, model_cfg).replace(use_grouped_mm=job.moe.use_grouped_mm)
+    seq_len = job.seq_len
     if seq_len > args.max_seq_len:
         raise ConfigError("training.seq_len", f"{seq_len} exceeds the model's maximum of {args.max_seq_len}",
                           f"1..{args.max_seq_len}")
-    ep = job_config.parallelism.expert_parallel_degree
+    ep = job.expert_parallel_degree
     if args.n_routed_experts % ep:
         raise ConfigError("parallelism.expert_parallel_degree",
                           f"{ep} does not divide the {args.n_routed_experts} routed experts",
                           ", ".join(str(d) for d in range(1, args.n_routed_experts + 1)
                                     if args.n_routed_experts % d == 0))
-    if job_config.parallelism.pipeline_parallel_degree > 1 and args.num_mtp_layers > 0:
+    if job.pipeline_parallel_degree > 1 and args.num_mtp_layers > 0:
         raise ConfigError("parallelism.pipeline_parallel_degree",
                           f"multi-token prediction ({args.num_mtp_layers} MTP layers) needs the embedding and "
                           "the head on one stage", "1 when the model has MTP layers, or model.mtp_layers = 0")
-    _check_fp8(job_config, args)
+    problem = compile_problem(args)
+    if job.compile_model and problem is not None:
+        raise ConfigError("moe.use_grouped_mm", problem, "true with compile.components containing model")
+    _check_fp8(job.fp8, args)
     return args
 
 
@@ -69,7 +75,7 @@ def _override_layers(args: ModelArgs, model_cfg) -> ModelArgs:
     return args.replace(n_layers=n_layers)
 
 
-def _check_fp8(job_config, args: ModelArgs) -> None:
+def _check_fp8(fp8_cfg, args: ModelArgs) -> None:
     """The [fp8] dims against one block of each kind the model has (dense, MoE), its names against both kinds
     (so the default names hold for a model without dense layers); blocks built on the meta device. FP8 experts
     need the grouped GEMM (`moe.use_grouped_mm`)."""
@@ -78,7 +84,7 @@ def _check_fp8(job_config, args: ModelArgs) -> None:
     with torch.device("meta"):
         blocks = [TransformerBlock(i, args) for i in layer_ids]
         vocabulary = [TransformerBlock(i, both_kinds) for i in (0, 1)]
-    selection = fp8_selection(job_config.fp8, MODULE_DEFAULTS)
+    selection = fp8_selection(fp8_cfg, MODULE_DEFAULTS)
     problem = fp8_config_problem(selection, blocks, vocabulary=vocabulary)
     if problem is not None:
         raise ConfigError(*problem)
@@ -95,10 +101,10 @@ def build_loss_fn(args: ModelArgs):
     return lambda output, labels: mtp_loss(output, labels, args.mtp_loss_weight)
 
 
-def configure_model(model: DeepSeekV3Model, job_config) -> None:
+def configure_model(model: DeepSeekV3Model, moe_cfg: MoESection) -> None:
     """The sequence-wise aux-loss weight (`moe.aux_loss_coeff`) on every MoE layer of the freshly built model."""
     for moe in model.moe_layers():
-        moe.aux_loss_coeff = job_config.moe.aux_loss_coeff
+        moe.aux_loss_coeff = moe_cfg.aux_loss_coeff
 
 
 def before_step(model_parts, global_tokens: int) -> None:
@@ -108,11 +114,11 @@ def before_step(model_parts, global_tokens: int) -> None:
             moe.aux_loss_grad_scale = 1.0 / max(global_tokens, 1)
 
 
-def post_optimizer_step(model_parts, job_config, dp_group) -> dict[str, float]:
+def post_optimizer_step(model_parts, moe_cfg: MoESection, dp_group) -> dict[str, float]:
     """Aux-loss-free expert-bias update (once per optimizer step) and the routing statistics to log."""
     moe_layers = [m for part in model_parts for m in part.moe_layers()]
     layer_ids = [m.layer_id for m in moe_layers]
-    counts_LE = update_expert_bias(moe_layers, job_config.moe.load_balance_coeff, dp_group)
+    counts_LE = update_expert_bias(moe_layers, moe_cfg.load_balance_coeff, dp_group)
     scalars: dict[str, float] = {}
     for layer_id, counts_E, moe in zip(layer_ids, counts_LE, moe_layers):
         mean = counts_E.mean().clamp_min(1e-9)
@@ -148,23 +154,16 @@ def counts(args: ModelArgs, seq_len: int) -> tuple[int, int, float]:
 register_model_spec(ModelSpec(
     name="deepseek_v3",
     model_cls=DeepSeekV3Model,
-    flavors=FLAVORS,
     build_args=build_args,
-    parallelize_fn=parallelize_deepseek_v3,
+    parallelize=parallelize_deepseek_v3,
     build_loss_fn=build_loss_fn,
-    post_optimizer_step=post_optimizer_step,
-    counts=counts,
-    state_dict_adapter=hf,
-    recompute_modules=RECOMPUTE_MODULES,
-    compile_units=compile_units,
-    configure_model=configure_model,
-    before_step=before_step,
-    pipeline_units=split_units,
-    pipeline_stage=keep_stage,
-    memory_plan=stage_memory,
-    module_flops=block_flops_per_token,
-    optional_weights={"mtp.": "--model.mtp_layers 0"},
-    module_defaults=MODULE_DEFAULTS,
+    param_and_flop_counts=counts,
+    hooks=TrainingHooks(configure_model=configure_model, before_step=before_step,
+                        post_optimizer_step=post_optimizer_step),
+    pipeline=PipelineSplit(units=split_units, stage=keep_stage),
+    checkpoints=Checkpoints(hf=hf, optional_weights={"mtp.": "--model.mtp_layers 0"}),
+    plan=PlanTables(recompute_modules=RECOMPUTE_MODULES, module_defaults=MODULE_DEFAULTS, compile_units=compile_units),
+    tools=ToolHooks(memory_plan=stage_memory, module_flops=block_flops_per_token),
 ))
 
 __all__ = ["DeepSeekV3Model", "ModelArgs", "FLAVORS", "build_args", "load_hf_pretrained"]

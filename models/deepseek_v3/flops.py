@@ -97,7 +97,8 @@ def block_flops_per_token(a: ModelArgs) -> dict[str, float]:
     by block-relative FQN (`attention.wkv_a`, `moe.experts`), summed over the main layers and the MTP blocks; routed
     experts at top_k / n_routed_experts, as in `count_params`.
 
-    These are the modules the `[fp8]` section can convert (`quantization.fp8.config.fp8_block_modules` names them alike).
+    These are the modules the `[fp8]` section can convert (`quantization.fp8.config.fp8_block_modules` names them
+    alike).
     The rest of `training_flops_per_token` always runs in the compute dtype: the attention scores, the output head,
     MTP's eh_proj, the router gates and the norm weights.
     """

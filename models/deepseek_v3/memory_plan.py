@@ -10,6 +10,7 @@ from core.quantization import FP8_TILE
 from quantization.fp8.accounting import gemm_backward_extra_bytes
 from quantization.fp8.config import Fp8Selection, fp8_selection
 from core.memory_types import BlockMemory, Item, Shape, StageMemory
+from core.model_config import MoESection
 
 from .args import ModelArgs
 from .flops import block_gemms
@@ -183,10 +184,11 @@ def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, units: dict[s
     return BlockMemory(layer, items, ffn, attn_ws, ffn_ws, unit, local_numel * 4)
 
 
-def stage_memory(args: ModelArgs, job_config, sh: Shape, names: list[str] | None, gather_bytes: int,
-                 shard: int) -> StageMemory:
+def stage_memory(args: ModelArgs, moe_cfg: MoESection, fp8_cfg, sh: Shape, names: list[str] | None,
+                 gather_bytes: int, shard: int) -> StageMemory:
     """The memory of the model part holding the pipeline units `names` (None: the whole model), for one
-    microbatch of shape `sh`; FSDP gathers parameters in `gather_bytes` per element over `shard` ranks."""
+    microbatch of shape `sh`, with the aux loss of `moe_cfg` and the FP8 recipe of `fp8_cfg`; FSDP gathers
+    parameters in `gather_bytes` per element over `shard` ranks."""
     names = ["tok_embeddings", "norm", "output"] if names is None else names
     layers = [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
     # a part without blocks is planned with all of them (an over-estimate kept from the first version)
@@ -197,8 +199,8 @@ def stage_memory(args: ModelArgs, job_config, sh: Shape, names: list[str] | None
     unit_bytes = {"embedding": units["embedding"] * gather_bytes, "head": units["head"] * gather_bytes,
                   "dense_block": units["dense_block"] * gather_bytes, "moe_block": units["moe_block"] * gather_bytes,
                   "experts": units["experts"] // sh.ep * gather_bytes}
-    aux_loss = job_config.moe.aux_loss_coeff > 0
-    selection = fp8_selection(job_config.fp8, MODULE_DEFAULTS)
+    aux_loss = moe_cfg.aux_loss_coeff > 0
+    selection = fp8_selection(fp8_cfg, MODULE_DEFAULTS)
     n_moe = sum(1 for i in layers if i >= args.n_dense_layers)
     rope_tables = 2 * args.max_seq_len * args.qk_rope_head_dim // 2 * _F32  # cos and sin
     return StageMemory(

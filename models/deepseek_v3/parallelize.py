@@ -32,10 +32,11 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from core.model_spec import ParallelizeJob
 from core.names import ModuleDefaults
 from core.quantization import FP8_TILE, QUANTIZED_MM
 from parallelisms.activation_checkpoint.policy import ScopeRule, apply_ac
-from parallelisms.compile import CompileUnit, apply_compile
+from parallelisms.compile import CompileUnit, apply_compile, compiles_model
 from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.fsdp import FSDPUnit, apply_fsdp
 from quantization.fp8.config import fp8_selection
@@ -72,26 +73,31 @@ MODULE_DEFAULTS = ModuleDefaults(
     force_recompute_modules=("moe.router.gate",),
 )
 
-_PER_EXPERT_LOOP = ("compiling the model needs moe.use_grouped_mm = true (the per-expert loop is the eager "
-                    "reference path)")
+def compile_problem(args) -> str | None:
+    """Why a model of `args` cannot be compiled, or None. The per-expert loop (`moe.use_grouped_mm = false`, the
+    eager reference path) slices by counts read on the host: under fullgraph those become unbacked sizes, on which
+    inductor's CPU code generation fails in torch 2.13 (docs/compile.md)."""
+    if not args.use_grouped_mm and args.n_layers > args.n_dense_layers:
+        return "the per-expert loop syncs with the host and cannot be compiled"
+    return None
 
 
-def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job_config) -> nn.Module:
+def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job: ParallelizeJob) -> nn.Module:
     """Parallelize `model` in place for the degrees in `parallel_dims` and return it."""
-    par = job_config.parallelism
+    par = job.parallelism
     if parallel_dims.ep_enabled:
         # the backend's comm state is created here: never lazily inside a checkpointed region (torchtitan #2505)
-        dtype = torch.bfloat16 if job_config.training.dtype == "bfloat16" else torch.float32
+        dtype = torch.bfloat16 if job.dtype == "bfloat16" else torch.float32
         apply_expert_parallel(model.moe_layers(), meshes.ep, par.expert_parallel_comm_backend, model.args.dim, dtype)
-    apply_fp8(named_blocks(model), fp8_selection(job_config.fp8, MODULE_DEFAULTS))
+    apply_fp8(named_blocks(model), fp8_selection(job.fp8, MODULE_DEFAULTS))
     if parallel_dims.ep_enabled:
-        quantize_dispatch(model, job_config.fp8)
-    checkpoint_model(model, job_config.activation_checkpoint)
-    compile_model(model, job_config.compile)
+        quantize_dispatch(model, job.fp8)
+    checkpoint_model(model, job.activation_checkpoint)
+    compile_model(model, job.compile)
     if parallel_dims.dp_enabled:
         reshard = {"always": True, "never": False}.get(par.fsdp_reshard_after_forward,
                                                         not parallel_dims.pp_enabled)
-        shard_model(model, meshes, job_config.training.dtype, job_config.training.mixed_precision_reduce, reshard)
+        shard_model(model, meshes, job.dtype, job.reduce_dtype, reshard)
     return model
 
 
@@ -159,18 +165,17 @@ def compile_units(model: nn.Module) -> list[CompileUnit]:
 
 
 def compile_model(model: nn.Module, compile_cfg) -> nn.Module:
-    """`apply_compile` on this model part's compile units; returns `model`."""
-    problem = None
-    if any(_unwrap(b).moe_enabled and not _unwrap(b).moe.experts.use_grouped_mm for b in blocks(model)):
-        # the per-expert loop slices by counts read on the host: under fullgraph those become unbacked sizes, on
-        # which inductor's CPU codegen fails in torch 2.13 (see docs/compile.md)
-        problem = _PER_EXPERT_LOOP
+    """`apply_compile` on this model part's compile units; returns `model`. ValueError for a model that cannot be
+    compiled (`compile_problem`)."""
+    problem = compile_problem(model.args)
+    if problem is not None and compiles_model(compile_cfg):
+        raise ValueError(f"moe.use_grouped_mm: {problem}")
     # Blocks that differ only in their weights share one graph. A wrapper holding per-block Python state (the
     # selective-AC policy object of each block) makes dynamo compile every block on its own, and past the recompile
     # limit fullgraph=True fails: allow a training and an eval graph per block of the whole model (the stages of
     # one pipeline rank share code objects).
     graphs_per_code = 2 * (model.args.n_layers + model.args.num_mtp_layers)
-    apply_compile(compile_units(model), compile_cfg, graphs_per_code, problem)
+    apply_compile(compile_units(model), compile_cfg, graphs_per_code)
     return model
 
 

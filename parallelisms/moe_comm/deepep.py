@@ -352,7 +352,7 @@ class DeepEPDispatcher(TokenDispatcher):
                 "memory/deepep_buffer_bytes": float(BUFFERS.nbytes())}
 
     @classmethod
-    def config_problem(cls, job_config, parallel_dims) -> tuple[str, str, str] | None:
+    def config_problem(cls, parallel_dims, activation_checkpoint, compile) -> tuple[str, str, str] | None:
         """DeepEP needs EP > 1, an importable deep_ep on a CUDA machine, both of its ops saved or neither, no
         compiled model."""
         key = "parallelism.expert_parallel_comm_backend"
@@ -363,12 +363,12 @@ class DeepEPDispatcher(TokenDispatcher):
             ok, why = deepep_available()
             if not ok:
                 return key, f"deepep on a CUDA machine: {why}", "alltoall, or deepep once deep_ep is installed"
-        ac = job_config.activation_checkpoint
+        ac = activation_checkpoint
         saved = op_table().save_ops(ac.save_ops)
         if ac.mode == "selective" and ("deepep_dispatch" in saved) != ("deepep_combine" in saved):
             return ("activation_checkpoint.save_ops", "saves only one of deepep_dispatch / deepep_combine; a "
                     "recomputed dispatch needs its combine recomputed too", "both or neither")
-        if job_config.compile.enable and "model" in job_config.compile.components:
+        if compile.enable and "model" in compile.components:
             return ("compile.components", "the DeepEP custom ops cannot be traced by torch.compile yet",
                     "[\"loss\"] with deepep, or expert_parallel_comm_backend = alltoall")
         return None

@@ -104,8 +104,8 @@ def fp8_config_problem(selection: Fp8Selection, blocks: Iterable[nn.Module],
     for key in ("modules", "exclude_modules"):
         for name in getattr(selection, key):
             if not any(covered_by_any(fqn, [name]) for fqn in known):
-                return (f"fp8.{key}", f"{name!r} matches no linear or grouped experts inside the blocks (the router "
-                        "gate, norms, attention core, embedding and head stay high precision)",
+                return (f"fp8.{key}", f"{name!r} matches no linear or grouped experts inside the blocks (only "
+                        "those convert: the embedding, the head, norms and fp32 linears stay high precision)",
                         f"names or dotted parts of: {', '.join(known)}")
     if selection.recipe == "none":
         return None

@@ -8,7 +8,7 @@ One concern per module, each importing only the ones above it:
   * `io.py`: safetensors checkpoint directories: `compare_checkpoint`, the streaming importer (`load_hf_weights`,
     `read_hf_state_dict`, `load_hf_pretrained`) and the exporter (`save_hf_checkpoint`).
 Names with a leading underscore are shared between these modules only; this package exposes what other code calls
-(the trainer reaches it as the model spec's `state_dict_adapter`).
+(the trainer reaches it as the model spec's `checkpoints.hf`).
 
 Conventions of the hub checkpoints this follows:
   * routed experts are stored per expert (`mlp.experts.{j}.{gate,up,down}_proj.weight`), ours are stacked [E, ...];
