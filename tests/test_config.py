@@ -437,7 +437,8 @@ def test_machinery_imports_only_the_standard_library():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "['core', 'core.config']"
+    assert proc.stdout.strip() == ("['core', 'core.config', 'core.config.errors', 'core.config.fields', "
+                                   "'core.config.loading', 'core.config.render']")
 
 
 # --- ParallelDims and cross-section validation ---------------------------------------------------------
