@@ -258,7 +258,7 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
     from quantization.fp8.config import fp8_selection
     from torch.profiler import ProfilerActivity, profile, record_function
     from trainer import device as devices
-    from trainer.job_config import load_config, model_job
+    from trainer.job_config import load_config
     from trainer.train import Trainer, prepare
 
     total = warmup + steps + 1

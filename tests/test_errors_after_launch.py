@@ -190,13 +190,13 @@ def test_save_ops_warning_at_start_names_only_a_users_list_with_ops_this_run_nev
     import torch
 
     from trainer.job_config import load_config, validate_job
-    from trainer.train import _warn_settings_without_effect
+    from trainer.prepare import warn_settings_without_effect
 
     def warnings(*args: str) -> list[str]:
         cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder",
                            str(tmp_path), "--activation_checkpoint.mode", "selective", *args])
         caplog.clear()
-        _warn_settings_without_effect(SimpleNamespace(cfg=cfg, dims=validate_job(cfg, 1)), torch.device("cpu"))
+        warn_settings_without_effect(SimpleNamespace(cfg=cfg, dims=validate_job(cfg, 1)), torch.device("cpu"))
         return [record.getMessage() for record in caplog.records]
 
     assert warnings() == []  # the default list names ops of every device and layout on purpose

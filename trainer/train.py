@@ -2,12 +2,16 @@
 
 Order of work (nothing model-specific here; the model comes from the registry):
   1. config (TOML + CLI) and every check that can fail on user input, before any process-group work or any
-     file is written: degrees vs world size, model args, tokenizer, dataset.
-  2. process group and device; the model is built on the meta device, parallelized, then materialised and
-     initialised (`init_weights`).
+     file is written (`trainer/prepare.py`): degrees vs world size, model args, tokenizer, dataset, checkpoints.
+  2. process group and device; the model is built on the meta device, split and parallelized
+     (`trainer/build.py`), then materialised and initialised.
   3. loop: batch -> the model's `before_step` hook (global valid tokens) -> forward -> sum-CE / global valid
      tokens -> backward (gradient accumulation) -> clip by the global norm -> AdamW step -> LR schedule -> the
      model's `post_optimizer_step` hook -> metrics and memory; validation every `validation.freq` steps.
+
+Over 400 lines on purpose: the `Trainer` (a step, validation, preemption, the end of a run) and the entry point that
+turns every known error into one line are read together, top to bottom; what can live apart does (preparation,
+the model build, the run summary, memory, checkpoints, data).
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ if __name__ == "__main__":
     listen(parse_signals(DEFAULT_SIGNALS))
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -33,151 +36,37 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from parallelisms.activation_checkpoint.config import save_ops_warning
+from core.config import ConfigError, config_to_toml
+from core.loss import ScaledLoss, count_valid_tokens
 from parallelisms.clip import clip_grad_norm_
 from parallelisms.compile import SECONDS_PER_GRAPH, compile_loss, first_compile
 from parallelisms.mesh import build_meshes
 from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.pipeline import build_schedule
 from trainer import device as devices
-from trainer.checkpoint.files import CheckpointError, latest_checkpoint
-from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError
-from trainer.checkpoint.weights import WeightMismatch, check_checkpoint
-from core.config import ConfigError, config_to_toml
 from trainer.build import build_model_parts, materialize
-from trainer.job_config import JobConfig, load_config, model_job, validate_job
+from trainer.checkpoint.files import CheckpointError
+from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError
 from trainer.data.config import DatasetError
-from trainer.data.for_job import build_loader, data_errors_at, holds_out
-from core.loss import ScaledLoss, count_valid_tokens
-from trainer.lr_schedule import build_lr_scheduler
+from trainer.data.for_job import data_errors_at
+from trainer.job_config import JobConfig, load_config
 from trainer.launch import PREEMPTED_PREFIX, leave_marker, write_error_line
+from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory.leak_detector import LeakDetector, MemoryLeakError
-from trainer.memory.monitor import MemoryMonitor, MemoryStats
+from trainer.memory.monitor import MemoryMonitor
 from trainer.memory.snapshots import MemorySnapshots
 from trainer.metrics import MetricLogger, init_logging, new_run_dir
 from trainer.optimizer import build_optimizer
 from trainer.preemption import PreemptedError, Preemption, Stop, listen, parse_signals
-from trainer.registry import available_models, get_model_spec
-from trainer.tokenizer import build_tokenizer
+from trainer.prepare import Prepared, prepare, warn_settings_without_effect
+from trainer.summary import RunSummary, gib
 from trainer.watchdog import COLLECTIVE_MARGIN_S, Heartbeat, set_process_group_timeouts
 
 logger = logging.getLogger("trainer")
 
 
-def _gib(nbytes: int | None) -> float | None:
-    """Bytes in GiB; None (not measured) stays None."""
-    return None if nbytes is None else nbytes / 2**30
-
-
-def _duration(seconds: float) -> str:
-    """`42.0 s`, `3m07s` or `2h05m`."""
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes = int(seconds // 60)
-    return f"{minutes}m{int(seconds % 60):02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
-
-
-@dataclasses.dataclass
-class _RunSummary:
-    """What the end-of-run line reports, gathered step by step (this rank's view; peaks are reduced at the end)."""
-
-    start: float
-    steps: int = 0
-    first_step: int = 0
-    last_step: int = 0
-    tokens: int = 0
-    loss: float = math.nan
-    validation: tuple[int, float] | None = None
-    peak_tensor_bytes: int | None = None
-    peak_rss_bytes: int | None = None
-
-    def add_step(self, step: int, loss: float, tokens: float, mem: MemoryStats) -> None:
-        """Record one finished step: its loss, the global tokens it trained on and its memory."""
-        self.first_step = self.first_step or step
-        self.steps, self.last_step, self.loss = self.steps + 1, step, loss
-        self.tokens += int(tokens)
-        if mem.peak_bytes is not None:
-            self.peak_tensor_bytes = max(self.peak_tensor_bytes or 0, mem.peak_bytes)
-        if mem.rss_bytes is not None:
-            self.peak_rss_bytes = max(self.peak_rss_bytes or 0, mem.rss_bytes)
-
-
 class TrainingError(RuntimeError):
     """A run-time fault the user must act on (e.g. non-finite loss); reported as one line, exit code 1."""
-
-
-@dataclasses.dataclass
-class Prepared:
-    """Everything derived from the config before the process group exists (so failures write nothing)."""
-
-    cfg: JobConfig
-    dims: object
-    spec: object
-    model_args: object
-    tokenizer: object
-    train_loader: object
-    val_loader: object | None
-    checkpoint_note: str | None = None  # what a partial checkpoint load skips, logged once by rank 0
-
-
-def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
-    """Validate the job against the world size and build the host-side pieces; raise ConfigError on bad input."""
-    dims = validate_job(cfg, world_size)
-    try:
-        spec = get_model_spec(cfg.model.name)
-    except KeyError:
-        raise ConfigError("model.name", f"unknown model {cfg.model.name!r}", ", ".join(available_models()))
-    if cfg.checkpoint.initial_load_in_hf and spec.checkpoints.hf is None:
-        raise ConfigError("checkpoint.initial_load_in_hf", f"model {cfg.model.name!r} cannot read Hugging Face "
-                          "checkpoints", "false")
-    if dims.pp_enabled and spec.pipeline is None:
-        raise ConfigError("parallelism.pipeline_parallel_degree", f"model {cfg.model.name!r} has no pipeline split",
-                          "1")
-    model_args = spec.build_args(model_job(cfg))
-    try:
-        tokenizer = build_tokenizer(cfg.tokenizer.path)
-    except ValueError as e:
-        raise ConfigError("tokenizer.path", str(e))
-    if tokenizer.vocab_size > model_args.vocab_size:
-        raise ConfigError("tokenizer.path", f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's "
-                          f"vocab_size {model_args.vocab_size}", f"a tokenizer with <= {model_args.vocab_size} ids")
-    dp_rank = rank % dims.dp  # meshes are laid out (pp, dp_replicate, dp_shard), pp outermost
-    global_batch = cfg.training.global_batch_size
-    if global_batch == -1:
-        global_batch = cfg.training.local_batch_size * dims.dp
-    loader_args = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len, global_batch_size=global_batch,
-                       dp_rank=dp_rank, dp_degree=dims.dp)
-    hold_out = cfg.validation.hold_out_every if cfg.validation.enable and holds_out(cfg) else 0
-    train_loader = build_loader(cfg, loader_args, hold_out, validation=False)
-    val_loader = build_loader(cfg, loader_args, hold_out, validation=True) if cfg.validation.enable else None
-    note = _check_checkpoints(cfg, spec, model_args)
-    return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader, note)
-
-
-def _check_checkpoints(cfg: JobConfig, spec, model_args) -> str | None:
-    """Fail before launch on a checkpoint that cannot be resumed or loaded (metadata, file sizes, weight names and
-    shapes only): unreadable, truncated, or weights the model and the checkpoint do not share by name or shape
-    (unless `checkpoint.allow_partial_load`). Returns the note of an allowed partial load."""
-    ckpt = cfg.checkpoint
-    try:
-        resume = latest_checkpoint(ckpt, cfg.job.dump_folder)
-        if resume is None and not ckpt.initial_load_path:
-            return None
-        with torch.device("meta"):
-            shapes = {k: tuple(v.shape) for k, v in spec.model_cls(model_args).state_dict().items()}
-        if resume is not None:
-            mismatch = check_checkpoint(resume, shapes)
-        elif ckpt.initial_load_in_hf:
-            missing, extra, reshaped = spec.checkpoints.hf.compare_checkpoint(ckpt.initial_load_path, model_args)
-            mismatch = WeightMismatch(ckpt.initial_load_path, list(missing), list(missing.values()), extra, reshaped)
-        else:
-            mismatch = check_checkpoint(ckpt.initial_load_path, shapes, model_only=True)
-    except (CheckpointError, ValueError) as e:
-        raise ConfigError("checkpoint", str(e))
-    problem = mismatch.problem(spec.checkpoints.optional_weights, ckpt.allow_partial_load, resume=resume is not None)
-    if problem is not None:
-        raise ConfigError("checkpoint", problem)
-    return mismatch.note()
 
 
 class Trainer:
@@ -445,7 +334,7 @@ class Trainer:
         """
         cfg = self.cfg
         losses = []
-        summary = _RunSummary(time.perf_counter())
+        summary = RunSummary(time.perf_counter())
         steps = range(self.start_step + 1, cfg.training.steps + 1)
         if self.preemption.requested():  # a signal during start-up, config or checkpoint load
             self._stop_for_preemption(self.start_step)
@@ -492,8 +381,8 @@ class Trainer:
                 # the first step of a run is always shown: it is the reference the later losses are read against
                 if step % cfg.metrics.log_freq == 0 or step in (self.start_step + 1, cfg.training.steps):
                     self.metrics.console(step, scalars["loss"], scalars["grad_norm"], tokens_per_s,
-                                         _gib(mem.allocated_bytes), _gib(mem.peak_bytes), scalars["lr"],
-                                         rss_GiB=_gib(mem.rss_bytes))
+                                         gib(mem.allocated_bytes), gib(mem.peak_bytes), scalars["lr"],
+                                         rss_GiB=gib(mem.rss_bytes))
                 # after the step is logged: the alarm's step and slope are in tensorboard when the run stops
                 self.leak_detector.check()
                 if self.checkpoint.due(step, last=step == cfg.training.steps):
@@ -510,32 +399,18 @@ class Trainer:
             self._log_summary(summary)
         return losses
 
-    def _log_summary(self, summary: _RunSummary) -> None:
-        """One line on rank 0 at the end of the run: what ran, the last losses, peak memory, where the outputs are."""
-        peak_tensor, peak_rss = summary.peak_tensor_bytes, summary.peak_rss_bytes
-        if dist.is_initialized():  # the largest rank's peak: the one that decides whether a layout fits
-            peaks = torch.tensor([-1 if b is None else b for b in (peak_tensor, peak_rss)], device=self.device)
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-            peak_tensor, peak_rss = (None if b < 0 else b for b in peaks.tolist())
-        if self.rank != 0:
-            return
-        if summary.steps == 0:
-            logger.info("run done: nothing to train (resumed at step %d of %d)", self.start_step,
-                        self.cfg.training.steps)
-            return
-        parts = [f"steps {summary.first_step}-{summary.last_step} in {_duration(time.perf_counter() - summary.start)}",
-                 f"{summary.tokens:,} tokens", f"final loss {summary.loss:.4f}"]
-        if summary.validation is not None:
-            parts.append(f"validation loss {summary.validation[1]:.4f} (step {summary.validation[0]})")
-        of = " (largest rank)" if self.dims.world_size > 1 else ""
-        if peak_tensor is not None:
-            parts.append(f"peak tensor memory {peak_tensor / 2**30:.2f} GiB{of}")
-        elif peak_rss is not None:
-            parts.append(f"max RSS {peak_rss / 2**30:.2f} GiB{of} (tensor memory not tracked)")
-        parts.append(f"tensorboard {self.tb_run_dir}" if self.tb_run_dir else "tensorboard off")
-        saved = self.checkpoint.last_published
-        parts.append(f"checkpoint {saved}" if saved else "no checkpoint")
-        logger.info("run done: %s", ", ".join(parts))
+    def _log_summary(self, summary: RunSummary) -> None:
+        """One line on rank 0 at the end of the run (`RunSummary.line`), with the largest rank's peaks: the ones
+        that decide whether a layout fits."""
+        peaks = [summary.peak_tensor_bytes, summary.peak_rss_bytes]
+        if dist.is_initialized():
+            reduced = torch.tensor([-1 if b is None else b for b in peaks], device=self.device)
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+            peaks = [None if b < 0 else b for b in reduced.tolist()]
+        if self.rank == 0:
+            logger.info("run done: %s", summary.line(*peaks, self.dims.world_size > 1, self.start_step,
+                                                     self.cfg.training.steps, self.tb_run_dir,
+                                                     self.checkpoint.last_published))
 
     def close(self) -> None:
         self.preemption.close()
@@ -543,15 +418,6 @@ class Trainer:
             self.heartbeat.close()
         self.checkpoint.finish()
         self.metrics.close()
-
-
-def _warn_settings_without_effect(prep: Prepared, device: torch.device) -> None:
-    """Log once what the config asks for that this run's device, dtype or layout makes a no-op."""
-    cfg = prep.cfg
-    warning = save_ops_warning(cfg.activation_checkpoint, device.type, cfg.training.dtype, prep.dims.ep,
-                               cfg.parallelism.expert_parallel_comm_backend)
-    if warning is not None:
-        logger.warning(warning)
 
 
 def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None) -> list[float]:
@@ -565,7 +431,7 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
     device = devices.init_distributed(timeout_s=cfg.comm.init_timeout_seconds)
     init_logging(devices.rank())
     if devices.rank() == 0:
-        _warn_settings_without_effect(prep, device)
+        warn_settings_without_effect(prep, device)
         if prep.checkpoint_note is not None:
             logger.warning(prep.checkpoint_note)
     trainer = None

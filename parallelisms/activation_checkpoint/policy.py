@@ -47,11 +47,6 @@ RecomputeTable = Mapping[str, Sequence[ScopeRule]]
 """A model's `recompute_modules` names (Megatron-Core style, e.g. "core_attn") and the scope rules each stands for,
 with the model's own submodule names; the model's parallelize plan hands it in."""
 
-
-RecomputeTable = Mapping[str, Sequence[ScopeRule]]
-"""A model's `recompute_modules` names (Megatron-Core style, e.g. "core_attn") and the scope rules each stands for,
-with the model's own submodule names; the model's parallelize plan hands it in."""
-
 # ----------------------------------------------------------------------------------------------- scope tracking
 
 def _join(prefix: str, fqn: str) -> str:

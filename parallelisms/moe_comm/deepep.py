@@ -37,6 +37,9 @@ to its combine, never longer, and the autograd graph owns the handle after that.
   * an exception between dispatch and combine (or an early-stopped recompute): the entry is also tied to the
     lifetime of the call's `DeepEPState` by a weakref finalizer, so it is released when the state is dropped
     (when the frames holding it unwind, i.e. once the exception itself is dropped).
+
+Somewhat over 400 lines on purpose: the dispatcher, its two custom ops with their autograd and the two owners of
+process-wide state make one handle lifecycle, which a reader should check in one file.
 """
 
 from __future__ import annotations

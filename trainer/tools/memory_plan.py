@@ -36,7 +36,7 @@ from core.config import ConfigError, run_with_config_errors
 from trainer.tools.dry_run import report
 from trainer.job_config import load_config, model_job, validate_job
 from core.loss import chunk_rows
-from core.memory_types import Shape
+from core.memory_types import Item, Shape
 from trainer.registry import get_model_spec
 
 __all__ = ["plan", "main"]

@@ -1,0 +1,112 @@
+"""Everything a run derives from its config before the process group exists, so that a mistake ends with one line
+and nothing written: the degrees against the world size, the model's args, the tokenizer, the data (its first
+document read) and any checkpoint to resume or load (metadata, file sizes, weight names and shapes). Preflight
+(`python -m trainer.preflight`) runs it once before torchrun; every rank runs it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from core.config import ConfigError
+from core.model_spec import ModelSpec
+from parallelisms.activation_checkpoint.config import save_ops_warning
+from parallelisms.parallel_dims import ParallelDims
+from trainer.checkpoint.files import CheckpointError, latest_checkpoint
+from trainer.checkpoint.weights import WeightMismatch, check_checkpoint
+from trainer.data.for_job import build_loader, holds_out
+from trainer.data.loader import PackedDataLoader
+from trainer.job_config import JobConfig, model_job, validate_job
+from trainer.registry import available_models, get_model_spec
+from trainer.tokenizer import Tokenizer, build_tokenizer
+
+__all__ = ["Prepared", "prepare", "warn_settings_without_effect"]
+
+logger = logging.getLogger("trainer")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """Everything derived from the config before the process group exists (so failures write nothing)."""
+
+    cfg: JobConfig
+    dims: ParallelDims
+    spec: ModelSpec
+    model_args: Any
+    tokenizer: Tokenizer
+    train_loader: PackedDataLoader
+    val_loader: PackedDataLoader | None
+    checkpoint_note: str | None = None  # what a partial checkpoint load skips, logged once by rank 0
+
+
+def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
+    """Validate the job against the world size and build the host-side pieces; raise ConfigError on bad input."""
+    dims = validate_job(cfg, world_size)
+    try:
+        spec = get_model_spec(cfg.model.name)
+    except KeyError:
+        raise ConfigError("model.name", f"unknown model {cfg.model.name!r}", ", ".join(available_models()))
+    if cfg.checkpoint.initial_load_in_hf and spec.checkpoints.hf is None:
+        raise ConfigError("checkpoint.initial_load_in_hf", f"model {cfg.model.name!r} cannot read Hugging Face "
+                          "checkpoints", "false")
+    if dims.pp_enabled and spec.pipeline is None:
+        raise ConfigError("parallelism.pipeline_parallel_degree", f"model {cfg.model.name!r} has no pipeline split",
+                          "1")
+    model_args = spec.build_args(model_job(cfg))
+    try:
+        tokenizer = build_tokenizer(cfg.tokenizer.path)
+    except ValueError as e:
+        raise ConfigError("tokenizer.path", str(e))
+    if tokenizer.vocab_size > model_args.vocab_size:
+        raise ConfigError("tokenizer.path", f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's "
+                          f"vocab_size {model_args.vocab_size}", f"a tokenizer with <= {model_args.vocab_size} ids")
+    dp_rank = rank % dims.dp  # meshes are laid out (pp, dp_replicate, dp_shard), pp outermost
+    global_batch = cfg.training.global_batch_size
+    if global_batch == -1:
+        global_batch = cfg.training.local_batch_size * dims.dp
+    loader_args = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len, global_batch_size=global_batch,
+                       dp_rank=dp_rank, dp_degree=dims.dp)
+    hold_out = cfg.validation.hold_out_every if cfg.validation.enable and holds_out(cfg) else 0
+    train_loader = build_loader(cfg, loader_args, hold_out, validation=False)
+    val_loader = build_loader(cfg, loader_args, hold_out, validation=True) if cfg.validation.enable else None
+    note = _check_checkpoints(cfg, spec, model_args)
+    return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader, note)
+
+
+def _check_checkpoints(cfg: JobConfig, spec: ModelSpec, model_args) -> str | None:
+    """Fail before launch on a checkpoint that cannot be resumed or loaded (metadata, file sizes, weight names and
+    shapes only): unreadable, truncated, or weights the model and the checkpoint do not share by name or shape
+    (unless `checkpoint.allow_partial_load`). Returns the note of an allowed partial load."""
+    ckpt = cfg.checkpoint
+    try:
+        resume = latest_checkpoint(ckpt, cfg.job.dump_folder)
+        if resume is None and not ckpt.initial_load_path:
+            return None
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in spec.model_cls(model_args).state_dict().items()}
+        if resume is not None:
+            mismatch = check_checkpoint(resume, shapes)
+        elif ckpt.initial_load_in_hf:
+            missing, extra, reshaped = spec.checkpoints.hf.compare_checkpoint(ckpt.initial_load_path, model_args)
+            mismatch = WeightMismatch(ckpt.initial_load_path, list(missing), list(missing.values()), extra, reshaped)
+        else:
+            mismatch = check_checkpoint(ckpt.initial_load_path, shapes, model_only=True)
+    except (CheckpointError, ValueError) as e:
+        raise ConfigError("checkpoint", str(e))
+    problem = mismatch.problem(spec.checkpoints.optional_weights, ckpt.allow_partial_load, resume=resume is not None)
+    if problem is not None:
+        raise ConfigError("checkpoint", problem)
+    return mismatch.note()
+
+
+def warn_settings_without_effect(prep: Prepared, device: torch.device) -> None:
+    """Log once what the config asks for that this run's device, dtype or layout makes a no-op."""
+    cfg = prep.cfg
+    warning = save_ops_warning(cfg.activation_checkpoint, device.type, cfg.training.dtype, prep.dims.ep,
+                               cfg.parallelism.expert_parallel_comm_backend)
+    if warning is not None:
+        logger.warning(warning)
