@@ -53,7 +53,7 @@ TRAIN_BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training
               "--memory.leak_window", "0", "--metrics.enable_tensorboard", "false",
               "--training.deterministic", "true", "--model.flavor", "debugmodel", "--model.n_layers", "3"]
 TRAIN_KEYS = ("loss", "grad_norm", "validation/loss", "memory/allocated_GiB", "moe/live_handles",
-              "memory/deepep_buffer_bytes")
+              "memory/deepep_buffer_GiB")
 
 
 # ----------------------------------------------------------------------------------------------- single process
@@ -186,7 +186,7 @@ def _check_training(train: dict, pairs: list[tuple[str, str]]) -> None:
             a, b = [h[key] for h in got], [h[key] for h in want]
             assert a == pytest.approx(b, rel=rel), (deepep, key, a, b)
         assert [h["moe/live_handles"] for h in got] == [0.0] * len(got)
-        assert got[0]["memory/deepep_buffer_bytes"] > 0
+        assert got[0]["memory/deepep_buffer_GiB"] > 0
         allocated = [h["memory/allocated_GiB"] for h in got]
         assert len(set(allocated[1:])) == 1, (deepep, allocated)  # train + validation steps: flat
 

@@ -162,7 +162,7 @@ def test_leak_on_one_rank_stops_the_run_with_one_line_after_logging_the_alarm(tm
     """Rank 1 of 2 leaks 1 MiB per step (a module patched in at interpreter start, not a hook of the trainer); with
     memory.fail_on_leak the run ends with the leak's line naming the rank, exit code 1, and rank 1's tensorboard
     already holds the alarm's step."""
-    from trainer.memory.leak_detector import ALARM_TAG, SLOPE_TAG
+    from trainer.memory.leak_detector import ALARM_RANK_TAG, ALARM_TAG, SLOPE_TAG
     from trainer.metrics import read_scalars, run_dirs
 
     (tmp_path / "site").mkdir()
@@ -173,12 +173,17 @@ def test_leak_on_one_rank_stops_the_run_with_one_line_after_logging_the_alarm(tm
                        "--metrics.save_for_all_ranks", "true",
                        ngpu=2, LEAK_RANK="1", PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), REPO]))
     # the alarm: warm-up 1 + window 3 + the confirmation span 1 - 1 = step 4
-    assert_ends_with_one_line(result, 1, "run failed on rank 1: training error: memory leak: memory allocated at step "
-                              "end grows 1 MiB/step (Theil-Sen slope over steps 2-4",
+    assert_ends_with_one_line(result, 1, "run failed on rank 1: training error: rank 1: memory leak: memory allocated "
+                              "at step end grows 1 MiB/step (Theil-Sen slope over steps 2-4",
                               "set memory.fail_on_leak = false to only warn")
-    scalars = read_scalars(os.path.join(run_dirs(str(tmp_path / "dump" / "tb"))[-1], "rank_1"))
+    run_dir = run_dirs(str(tmp_path / "dump" / "tb"))[-1]
+    scalars = read_scalars(os.path.join(run_dir, "rank_1"))
     assert scalars[ALARM_TAG] == [(4, 1.0)]
-    assert scalars[SLOPE_TAG][-1] == (4, 1.0) and max(step for step, _ in scalars["loss"]) == 4
+    assert scalars[SLOPE_TAG][-1] == (4, 1.0) and max(step for step, _ in scalars["memory/allocated_GiB"]) == 4
+    # rank 0's run folder names the rank too: the alarm with its rank, and rank 1 holding the most at step end
+    run = read_scalars(run_dir)
+    assert run[ALARM_TAG] == [(4, 1.0)] and run[ALARM_RANK_TAG] == [(4, 1.0)]
+    assert run["memory/allocated_GiB/max_rank"][-1] == (4, 1.0) and max(step for step, _ in run["loss"]) == 4
 
 
 def test_save_ops_warning_at_start_names_only_a_users_list_with_ops_this_run_never_runs(tmp_path, caplog):

@@ -33,13 +33,51 @@ def test_only_rank_0_writes_by_default(tmp_path):
 
 
 def test_save_for_all_ranks_writes_per_rank_folders(tmp_path):
+    """Rank 0 writes the run's scalars to the run folder; with save_for_all_ranks every rank also writes its own
+    scalars to rank_<r>/, and only those."""
     for rank in (0, 1):
         metrics = MetricLogger(str(tmp_path), rank=rank, enable_tensorboard=True, save_for_all_ranks=True)
-        metrics.log(5, {"memory/allocated_GiB": float(rank)})
+        metrics.log(5, {"loss": 2.0}, {"memory/allocated_GiB": float(rank)})
         metrics.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_0", "rank_1"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["rank_0", "rank_1"]
+    assert read_scalars(str(tmp_path)) == {"loss": [(5, 2.0)]}
     for rank in (0, 1):
         assert read_scalars(str(tmp_path / f"rank_{rank}")) == {"memory/allocated_GiB": [(5, float(rank))]}
+
+
+def test_config_text_and_hparams_row_round_trip(tmp_path):
+    """The run's merged config as text and its HParams row (settings, then the metrics at the end) read back
+    from the event files; only rank 0 writes them."""
+    from trainer.metrics import read_hparams
+
+    metrics = MetricLogger(str(tmp_path), rank=0, enable_tensorboard=True, save_for_all_ranks=False)
+    metrics.log_run_start("[training]\nsteps = 3\n", {"ac_mode": "selective", "ep": 2, "compile": False},
+                          ["run/peak_memory_GiB"])
+    metrics.log_run_end(3, {"run/peak_memory_GiB": 1.5})
+    metrics.close()
+    assert read_hparams(str(tmp_path)) == {"ac_mode": "selective", "ep": 2.0, "compile": False}
+    assert read_scalars(str(tmp_path)) == {"run/peak_memory_GiB": [(3, 1.5)]}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    [text] = events.Tensors("config/text_summary")
+    assert text.tensor_proto.string_val[0].decode() == "```toml\n[training]\nsteps = 3\n```"
+    other = MetricLogger(str(tmp_path / "other"), rank=1, enable_tensorboard=True, save_for_all_ranks=False)
+    other.log_run_start("x", {"ep": 2}, [])
+    other.close()
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_run_folder_is_labelled_by_what_the_run_set(tmp_path):
+    when = datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    first = new_run_dir(str(tmp_path), when, label="mode=selective,expert_parallel_degree=2")
+    second = new_run_dir(str(tmp_path), when, label="mode=selective,expert_parallel_degree=2")
+    odd = new_run_dir(str(tmp_path), when, label="my run / ablation #3")
+    assert [Path(p).name for p in (first, second, odd)] == [
+        "20250102-030405-mode=selective,expert_parallel_degree=2",
+        "20250102-030405_2-mode=selective,expert_parallel_degree=2", "20250102-030405-my_run_ablation_3"]
+    assert run_dirs(str(tmp_path)) == [first, odd, second]
 
 
 def test_every_run_claims_its_own_folder_and_runs_sort_by_start(tmp_path):

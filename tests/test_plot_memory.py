@@ -1,5 +1,5 @@
-"""`python -m trainer.plot_memory`: reads every rank's memory scalars of one run, re-runs the leak detector, writes
-a PNG."""
+"""`python -m trainer.plot_memory`: reads one run's memory (rank 0's spread over the ranks, and every rank's own curves
+where the run saved them), re-runs the leak detector, writes a PNG that stays readable at any rank count."""
 
 import struct
 import subprocess
@@ -8,8 +8,10 @@ import sys
 import pytest
 
 from trainer.memory.leak_detector import SLOPE_TAG
+from trainer.memory.ranks import RankTable
 from trainer.metrics import MetricLogger
-from trainer.tools.plot_memory import ALLOCATED, PEAK, RSS, find_run, load_runs, render
+from trainer.tools.plot_memory import (ALLOCATED, MAX_RANK_LINES, MAX_VERDICT_LINES, PEAK, RSS, find_run,
+                                      load_run, render)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 GiB_PER_MiB = 1 / 1024
@@ -18,17 +20,30 @@ GiB_PER_MiB = 1 / 1024
 RUN = "20250101-120000"
 
 
-def write_run(dump, ranks, leaking_rank=None, steps=40, all_ranks=True, log_slope=False, run=RUN, base=2.0):
-    """Scalars like the train loop's in ``dump/tb/<run>``: ``base`` GiB at step end, a noisy peak, RSS above; one
-    rank leaks 1 MiB/step."""
-    for rank in ranks:
-        logger = MetricLogger(str(dump / "tb" / run), rank, enable_tensorboard=True, save_for_all_ranks=all_ranks)
-        for step in range(1, steps + 1):
-            allocated = base + (step * GiB_PER_MiB if rank == leaking_rank and step > 10 else 0.0)
-            scalars = {ALLOCATED: allocated, PEAK: allocated + 1.0 + 0.01 * (step % 3), RSS: allocated + 0.5}
+def _own(rank, step, leaking_rank, base):
+    allocated = base + (step * GiB_PER_MiB if rank == leaking_rank and step > 10 else 0.0) + 0.01 * rank
+    return {ALLOCATED: allocated, PEAK: allocated + 1.0 + 0.01 * (step % 3), RSS: allocated + 0.5}
+
+
+def write_run(dump, ranks, leaking_rank=None, steps=40, all_ranks=True, log_slope=False, run=RUN, base=2.0, pp=1):
+    """Scalars like the train loop's in ``dump/tb/<run>``: rank 0's spread over ``ranks`` (with pipeline stages),
+    and with ``all_ranks`` each rank's own: ``base`` GiB at step end, a noisy peak, RSS above; one rank leaks
+    1 MiB/step."""
+    world = len(ranks)
+    loggers = {r: MetricLogger(str(dump / "tb" / run), r, enable_tensorboard=True, save_for_all_ranks=all_ranks)
+               for r in ranks}
+    loggers[0].log_run_start("", {"world_size": world, "pp": pp}, [])
+    for step in range(1, steps + 1):
+        rows = []
+        for rank in ranks:
+            own = _own(rank, step, leaking_rank, base)
             if log_slope:
-                scalars[SLOPE_TAG] = 0.0
-            logger.log(step, scalars)
+                own[SLOPE_TAG] = 0.0
+            rows.append([own[PEAK], own[ALLOCATED], float("nan"), own[RSS], float("nan"),
+                         own.get(SLOPE_TAG, float("nan")), 0.0])
+            loggers[rank].log(step, {}, own)
+        loggers[0].log(step, RankTable(rows, pp, 1).scalars())
+    for logger in loggers.values():
         logger.close()
 
 
@@ -40,18 +55,67 @@ def png_size(path):
 
 def test_all_ranks_rendered_with_the_leaking_rank_flagged(tmp_path):
     write_run(tmp_path, ranks=[0, 1, 2], leaking_rank=1)
-    runs = load_runs(find_run(str(tmp_path)))
+    run = load_run(find_run(str(tmp_path)))
+    runs = run.ranks
     assert [r.rank for r in runs] == [0, 1, 2]
     assert [r.alarm is not None for r in runs] == [False, True, False]
     # growth starts after step 10; the window must first fill with growing points
     assert runs[1].alarm.slope_MiB_per_step == pytest.approx(1.0, rel=1e-3)
-    assert "no leak (largest slope 0 MiB/step)" in runs[0].summary()
+    lines = run.verdict_lines()
+    assert lines[0].startswith("rank 1: memory leak: ")
+    assert lines[1:] == ["ranks 0, 2 (2): no leak (largest slope 0 MiB/step, rank 0)"]
     out = tmp_path / "memory.png"
-    render(runs, str(out))
-    assert png_size(out) == (1200, 1000)
+    render(run, str(out))
+    assert png_size(out) == (1400, 1000)
 
 
-def test_cli_on_a_rank_zero_only_run(tmp_path):
+def test_many_ranks_are_bands_with_a_bounded_legend_and_bounded_verdicts(tmp_path):
+    """64 ranks over 2 pipeline stages, every rank's curves saved, one leaking: the figure holds one band per
+    stage and the worst rank, not 64 lines; the verdicts are one line for the leak and one for the 63 others."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    write_run(tmp_path, ranks=list(range(64)), leaking_rank=37, steps=30, pp=2)
+    run = load_run(find_run(str(tmp_path)))
+    assert len(run.ranks) == 64 and run.world_size == 64 and run.pp == 2
+    assert set(run.spread[PEAK]) == {"max", "min", "median", "max_rank"}
+    assert {f"{PEAK}/stage_{s}" for s in (0, 1)} <= set(run.spread)
+    lines = run.verdict_lines()
+    assert len(lines) == 2 and lines[0].startswith("rank 37: memory leak: ")
+    assert lines[1].startswith("ranks 0-36, 38-63 (63): no leak")
+    assert run.worst_rank() == 63  # 0.01 GiB more per rank in this synthetic run; the leak adds 30 MiB by step 30
+    out = tmp_path / "memory.png"
+    figures = []
+    from matplotlib.figure import Figure
+
+    save = Figure.savefig
+    Figure.savefig = lambda fig, path, **kw: (figures.append(fig), save(fig, path, **kw))[-1]
+    try:
+        render(run, str(out))
+    finally:
+        Figure.savefig = save
+    [fig] = figures
+    labels = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    assert len(labels) <= 12, labels  # bands per stage and the worst rank, not a line per rank
+    assert "rank 63 (largest peak)" in labels and "rank 37 (recomputed)" in labels  # the leaking rank's slope
+    assert not any(f"rank {r} " in " ".join(labels) for r in (1, 2, 62))
+    texts = [t.get_text() for t in fig.texts]
+    assert sum(len(t.splitlines()) for t in texts) <= 1 + MAX_VERDICT_LINES
+    assert png_size(out) == (1400, 1000)
+
+
+def test_a_run_without_rank_folders_reads_its_spread(tmp_path):
+    """Without metrics.save_for_all_ranks only rank 0's spread exists: bands and a verdict from the largest slope."""
+    write_run(tmp_path, ranks=list(range(16)), all_ranks=False, log_slope=True, steps=12)
+    run = load_run(find_run(str(tmp_path)))
+    assert run.ranks == [] and run.world_size == 16
+    assert run.verdict_lines() == ["16 ranks: no leak alarm (largest slope 0 MiB/step, rank 0 at step 1)"]
+    assert run.worst_rank() == 15  # rank 15 holds 0.15 GiB more in this synthetic run
+    render(run, str(tmp_path / "m.png"))
+    assert MAX_RANK_LINES == 8
+
+
+def test_cli_on_a_single_process_run(tmp_path):
     write_run(tmp_path, ranks=[0], all_ranks=False, log_slope=True)
     result = subprocess.run([sys.executable, "-m", "trainer.plot_memory", str(tmp_path), "--threshold-MiB", "0.5"],
                             capture_output=True, text=True, timeout=120)
@@ -59,7 +123,7 @@ def test_cli_on_a_rank_zero_only_run(tmp_path):
     run_dir = tmp_path / "tb" / RUN
     assert result.stdout.splitlines() == [f"run {run_dir}", "rank 0: no leak (largest slope 0 MiB/step)",
                                           f"wrote {run_dir / 'memory.png'}"]
-    assert png_size(run_dir / "memory.png") == (1200, 1000)
+    assert png_size(run_dir / "memory.png") == (1400, 1000)
 
 
 def test_latest_run_by_default_never_mixed_and_any_run_by_choice(tmp_path):
@@ -70,11 +134,11 @@ def test_latest_run_by_default_never_mixed_and_any_run_by_choice(tmp_path):
     latest = tmp_path / "tb" / "20250101-120000_2"
     for path in (tmp_path, tmp_path / "tb", latest):
         assert find_run(str(path)) == str(latest)
-    runs = load_runs(str(latest))
+    runs = load_run(str(latest)).ranks
     assert [r.rank for r in runs] == [0, 1]
     assert [r.series[ALLOCATED][0] for r in runs] == [list(range(1, 31))] * 2
     assert [r.summary() for r in runs] == [f"rank {r}: no leak (largest slope 0 MiB/step)" for r in (0, 1)]
-    older = load_runs(find_run(str(tmp_path), run="20250101-120000"))
+    older = load_run(find_run(str(tmp_path), run="20250101-120000")).ranks
     assert len(older) == 1 and older[0].alarm.slope_MiB_per_step == pytest.approx(1.0, rel=1e-3)
     result = subprocess.run([sys.executable, "-m", "trainer.plot_memory", str(tmp_path / "tb"), "--run", "nope"],
                             capture_output=True, text=True, timeout=120)
@@ -84,10 +148,11 @@ def test_latest_run_by_default_never_mixed_and_any_run_by_choice(tmp_path):
 
 def test_run_without_tensor_memory_gets_no_verdict(tmp_path):
     logger = MetricLogger(str(tmp_path / "tb" / RUN), 0, enable_tensorboard=True, save_for_all_ranks=False)
+    logger.log_run_start("", {"world_size": 1, "pp": 1}, [])
     for step in range(1, 21):
-        logger.log(step, {RSS: 1.0})
+        logger.log(step, RankTable([[float("nan")] * 3 + [1.0] + [float("nan")] * 3], 1, 1).scalars())
     logger.close()
-    [run] = load_runs(find_run(str(tmp_path)))
+    [run] = load_run(find_run(str(tmp_path))).ranks
     assert run.verdicts == [] and run.summary() == (
         "rank 0: no tensor memory logged (memory tracking was off), no leak verdict")
 

@@ -13,7 +13,7 @@ import torch
 from trainer.tools import preflight
 from core.config import ConfigError, config_to_toml, run_with_config_errors
 from trainer.job_config import load_config
-from trainer.metrics import read_scalars, run_dirs
+from trainer.metrics import read_hparams, read_scalars, run_dirs
 from core.model_spec import TrainingHooks, register_model_spec
 from trainer.registry import get_model_spec
 from trainer.train import Trainer, prepare, run
@@ -39,20 +39,30 @@ def test_debug_model_trains_with_falling_loss_and_tensorboard(tmp_path, caplog):
     assert losses[-1] < losses[0] - 1.0, losses
     [run_dir] = run_dirs(os.path.join(tmp_path, "tb"))
     scalars = read_scalars(run_dir)
-    for tag in ("loss", "grad_norm", "lr", "throughput/tokens_per_s", "memory/allocated_GiB",
-                "memory/peak_allocated_GiB", "memory/rss_GiB", "moe/layer_1/max_over_mean",
-                "moe/layer_5/bias_range"):
+    for tag in ("loss", "grad_norm", "lr", "throughput/tokens_per_s", "memory/allocated_GiB/max",
+                "memory/peak_allocated_GiB/max", "memory/peak_allocated_GiB/max_rank", "memory/rss_GiB/median",
+                "moe/layer_1/max_over_mean", "moe/layer_5/bias_range"):
         assert [s for s, _ in scalars[tag]] == list(range(1, 9)), tag
     assert [s for s, _ in scalars["validation/loss"]] == [4, 8]
-    # memory at step end is flat after warm-up (exact CPU tracker), and the peak exceeds it
-    alloc = [v for _, v in scalars["memory/allocated_GiB"]]
+    # memory at step end is flat after warm-up (exact CPU tracker), and the peak exceeds it; one process: the
+    # spread over the ranks is its own value, rank 0's
+    alloc = [v for _, v in scalars["memory/allocated_GiB/max"]]
     assert max(alloc[2:]) - min(alloc[2:]) < 1e-6
-    assert all(p > a for (_, p), a in zip(scalars["memory/peak_allocated_GiB"], alloc))
+    assert all(p > a for (_, p), a in zip(scalars["memory/peak_allocated_GiB/max"], alloc))
+    assert scalars["memory/peak_allocated_GiB/min"] == scalars["memory/peak_allocated_GiB/max"]
+    assert {v for _, v in scalars["memory/peak_allocated_GiB/max_rank"]} == {0.0}
+    # the run's HParams row: what shapes memory, with the run's peak, speed and loss at its last step
+    hparams = read_hparams(run_dir)
+    assert hparams["world_size"] == 1 and hparams["ac_mode"] == "none" and hparams["dtype"] == "float32"
+    assert scalars["run/final_loss"] == [(8, pytest.approx(losses[-1]))]
+    assert scalars["run/peak_memory_GiB"][0][1] == pytest.approx(max(v for _, v in
+                                                                     scalars["memory/peak_allocated_GiB/max"]))
+    assert scalars["run/tokens_per_s"][0][1] > 0
     # the expert bias moved (aux-loss-free balancing ran once per step)
     assert scalars["moe/layer_1/bias_range"][-1][1] > 0
     # console: step 1 although log_freq is 4, then every 4th step; one summary line of the whole run
     assert [int(m.split()[1]) for m in _messages(caplog, r"^step +\d+  loss")] == [1, 4, 8]
-    peak = max(v for _, v in scalars["memory/peak_allocated_GiB"])
+    peak = max(v for _, v in scalars["memory/peak_allocated_GiB/max"])
     val_loss = scalars["validation/loss"][-1][1]
     [summary] = _messages(caplog, "^run done")
     assert re.fullmatch(rf"run done: steps 1-8 in (\d+\.\d s|\d+m\d\ds), 2,048 tokens, final loss {losses[-1]:.4f}, "
@@ -72,12 +82,18 @@ def test_each_run_writes_its_own_tensorboard_run_and_logs_only_measured_memory(t
     # each run folder holds one run's steps, never the other's
     assert [[(s, pytest.approx(v)) for s, v in read_scalars(r)["loss"]] for r in runs] == [
         list(zip([1, 2, 3], first)), list(zip([1, 2], second))]
+    parent = os.path.dirname(os.path.abspath(tmp_path))
     assert _messages(caplog, "^tensorboard:") == [
-        f"tensorboard: this run writes to {r} (view all runs: tensorboard --logdir {tb})" for r in runs]
+        f"tensorboard: this run writes to {r}; compare it with the other runs of this job: tensorboard --logdir {tb} "
+        f"(with every job under {parent}: --logdir {parent})" for r in runs]
+    # the run folders say what the command line set
+    labels = [os.path.basename(r).split("-", 2)[2].split(",") for r in runs]
+    assert "steps=3" in labels[0] and "steps=2" in labels[1] and all("track=off" in label for label in labels)
     # tracking off: no tensor memory tag and no leak slope (no zeros that look measured); the process RSS is logged
     scalars = read_scalars(runs[1])
-    assert not [tag for tag in scalars if tag.startswith("memory/") and tag != "memory/rss_GiB"], list(scalars)
-    rss = [v for _, v in scalars["memory/rss_GiB"]]
+    assert not [tag for tag in scalars if tag.startswith("memory/") and not tag.startswith("memory/rss_GiB/")], \
+        list(scalars)
+    rss = [v for _, v in scalars["memory/rss_GiB/max"]]
     assert len(rss) == 2 and all(0.1 < v < 64 for v in rss), rss
     assert len(_messages(caplog, r"tensor memory is not tracked \(memory.track = off\)")) == 2  # once per run
     console = _messages(caplog, r"^step +\d+  loss")[-2:]

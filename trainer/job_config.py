@@ -18,9 +18,10 @@ Typical use in an entry point::
         run_with_config_errors(main)
 """
 
+import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from parallelisms.activation_checkpoint.config import ActivationCheckpointSection, ac_config_problem
 from parallelisms.compile import CompileSection, compiles_model
@@ -52,7 +53,8 @@ class JobSection:
     dump_folder: str = "./outputs"
     """Root folder for everything a run writes: checkpoints, tensorboard logs, memory reports."""
     description: str = ""
-    """Free-text description of the job, shown in logs."""
+    """Free-text description of the job, shown in logs; given on the command line, it also names the run's
+    tensorboard folder (otherwise the keys the command line set do)."""
     print_config: bool = option(False, cli_only=True)
     """Print the merged config (defaults < TOML < CLI) as TOML and exit with status 0 without training."""
 
@@ -104,6 +106,41 @@ def load_config(argv: Sequence[str]) -> JobConfig:
     need the world size or compare keys live in `validate_job`; checks that need the model live in the model spec.
     """
     return load(JobConfig, argv, config_file_key="job.config_file")
+
+
+def _file_config(cfg: JobConfig) -> JobConfig:
+    """The job as its TOML file alone gives it (the defaults without one)."""
+    return load_config(["--job.config_file", cfg.job.config_file]) if cfg.job.config_file else JobConfig()
+
+
+def set_keys(cfg: JobConfig) -> list[tuple[str, object]]:
+    """(`section.key`, value) of every key outside `[job]` whose value is not the one the TOML file (or, without
+    one, the defaults) gives: what the command line set."""
+    base = _file_config(cfg)
+    changed = []
+    for section in fields(cfg):
+        if section.name == "job":
+            continue
+        mine, theirs = getattr(cfg, section.name), getattr(base, section.name)
+        changed += [(f"{section.name}.{key.name}", getattr(mine, key.name)) for key in fields(mine)
+                    if getattr(mine, key.name) != getattr(theirs, key.name)]
+    return changed
+
+
+def run_name(cfg: JobConfig) -> str:
+    """What tells this run apart from the other runs of its job: a `job.description` given on the command line,
+    else the keys the command line set, as `key=value` (the key's last part; lists joined by `+`, paths by their
+    file name); empty when the run is the TOML file's own."""
+    if cfg.job.description != _file_config(cfg).job.description:
+        return cfg.job.description
+
+    def shown(value: object) -> str:
+        if isinstance(value, list):
+            return "+".join(map(str, value))
+        text = str(value)
+        return os.path.basename(text.rstrip("/")) if os.sep in text else text
+
+    return ",".join(f"{key.rpartition('.')[2]}={shown(value)}" for key, value in set_keys(cfg))
 
 
 def model_job(cfg: JobConfig) -> ModelJob:

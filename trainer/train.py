@@ -49,17 +49,18 @@ from trainer.checkpoint.files import CheckpointError
 from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError
 from trainer.data.config import DatasetError
 from trainer.data.for_job import data_errors_at
-from trainer.job_config import JobConfig, load_config
+from trainer.job_config import JobConfig, load_config, run_name
 from trainer.launch import PREEMPTED_PREFIX, leave_marker, write_error_line
 from trainer.lr_schedule import build_lr_scheduler
-from trainer.memory.leak_detector import LeakDetector, MemoryLeakError
+from trainer.memory.leak_detector import ALARM_RANK_TAG, ALARM_TAG, LeakDetector, MemoryLeakError
 from trainer.memory.monitor import MemoryMonitor
+from trainer.memory.ranks import FIELDS, CrossRankMemory, RankTable, memory_layout, memory_values, place_of
 from trainer.memory.snapshots import MemorySnapshots
 from trainer.metrics import MetricLogger, init_logging, new_run_dir
 from trainer.optimizer import build_optimizer
 from trainer.preemption import PreemptedError, Preemption, Stop, listen, parse_signals
 from trainer.prepare import Prepared, prepare, warn_settings_without_effect
-from trainer.summary import RunSummary, gib
+from trainer.summary import RUN_METRICS, RunSummary, run_hparams
 from trainer.watchdog import COLLECTIVE_MARGIN_S, Heartbeat, set_process_group_timeouts
 
 logger = logging.getLogger("trainer")
@@ -116,10 +117,17 @@ class Trainer:
         self.memory.track(*self.model_parts, *self.optimizers)
         self.snapshots = MemorySnapshots(self.memory, os.path.join(cfg.job.dump_folder, "memory_snapshots"),
                                          cfg.memory.snapshot_freq, cfg.memory.dump_on_leak, self.rank)
-        self.leak_detector = LeakDetector.from_config(cfg.memory, on_leak=self.snapshots.on_leak)
+        world, pp, ep = self.dims.world_size, self.dims.pp, self.dims.ep
+        self.cross_rank = CrossRankMemory(dist.group.WORLD if dist.is_initialized() else None, device, self.rank,
+                                          world, pp, ep)
+        self.device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        self.leak_detector = LeakDetector.from_config(
+            cfg.memory, on_leak=self.snapshots.on_leak, where=place_of(self.rank, world, pp, ep) if world > 1 else "")
         self.tb_run_dir = self._new_tensorboard_run() if cfg.metrics.enable_tensorboard else None
         self.metrics = MetricLogger(self.tb_run_dir, self.rank, cfg.metrics.enable_tensorboard,
                                     cfg.metrics.save_for_all_ranks)
+        self.metrics.log_run_start(config_to_toml(cfg), run_hparams(cfg, self.dims), list(RUN_METRICS),
+                                   memory_layout(pp))
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizers,
                                             self.lr_schedulers, self.train_loader)
         self.start_step = self.checkpoint.load()
@@ -146,10 +154,12 @@ class Trainer:
         """This run's tensorboard folder `<dump>/tb/<run id>`: created by rank 0, its path broadcast so that every
         rank writes into the same run."""
         tb_folder = os.path.join(self.cfg.job.dump_folder, "tb")
-        path = [new_run_dir(tb_folder) if self.rank == 0 else None]
+        path = [new_run_dir(tb_folder, label=run_name(self.cfg)) if self.rank == 0 else None]
         if dist.is_initialized():
             dist.broadcast_object_list(path, src=0)
-        logger.info("tensorboard: this run writes to %s (view all runs: tensorboard --logdir %s)", path[0], tb_folder)
+        parent = os.path.dirname(os.path.abspath(self.cfg.job.dump_folder))
+        logger.info("tensorboard: this run writes to %s; compare it with the other runs of this job: tensorboard "
+                    "--logdir %s (with every job under %s: --logdir %s)", path[0], tb_folder, parent, parent)
         return path[0]
 
     def _announce_compile(self) -> None:
@@ -355,14 +365,22 @@ class Trainer:
                 mem = self.memory.step_end()
                 self.snapshots.step_end(step)
                 losses.append(scalars["loss"])
-                summary.add_step(step, scalars["loss"], scalars.pop("global_tokens"), mem)
+                summary.add_step(step, scalars["loss"], scalars.pop("global_tokens"), elapsed)
                 tokens_per_s = scalars.pop("local_tokens") / elapsed
                 scalars["throughput/tokens_per_s"] = tokens_per_s
                 scalars["throughput/tflops"] = tokens_per_s * self.flops_per_token / 1e12
-                scalars.update(MemoryMonitor.to_scalars(mem))
+                rank_scalars = {**MemoryMonitor.to_scalars(mem), "throughput/tokens_per_s": tokens_per_s}
+                verdict = None
                 if mem.allocated_bytes is not None:  # the detector must never see unmeasured memory
                     verdict = self.leak_detector.update(step, mem.allocated_bytes, mem.breakdown)
-                    scalars.update(self.leak_detector.scalars(verdict))
+                    rank_scalars.update(self.leak_detector.scalars(verdict))
+                table = self.cross_rank.gather(memory_values(mem, verdict, self.device_bytes),
+                                               alarm=verdict is not None and verdict is self.leak_detector.alarm)
+                if table is not None:  # rank 0: the spread over the ranks, and who holds the most
+                    scalars.update(table.scalars())
+                    summary.add_table(table)
+                    if table.alarms():
+                        scalars.update({ALARM_TAG: 1.0, ALARM_RANK_TAG: float(table.alarms()[0])})
                 stop = False
                 if self.val_loader is not None and step % cfg.validation.freq == 0:
                     try:
@@ -375,14 +393,13 @@ class Trainer:
                 if self.dims.ep_enabled:
                     # the comm backend's own scalars, measured now (e.g. handles alive past the step)
                     scalars.update(get_comm_backend(cfg.parallelism.expert_parallel_comm_backend).metrics())
-                self.metrics.log(step, scalars)
+                self.metrics.log(step, scalars, rank_scalars)
                 if history is not None:
-                    history.append(scalars)
+                    history.append({**rank_scalars, **scalars})
                 # the first step of a run is always shown: it is the reference the later losses are read against
-                if step % cfg.metrics.log_freq == 0 or step in (self.start_step + 1, cfg.training.steps):
-                    self.metrics.console(step, scalars["loss"], scalars["grad_norm"], tokens_per_s,
-                                         gib(mem.allocated_bytes), gib(mem.peak_bytes), scalars["lr"],
-                                         rss_GiB=gib(mem.rss_bytes))
+                if table is not None and (step % cfg.metrics.log_freq == 0
+                                          or step in (self.start_step + 1, cfg.training.steps)):
+                    self._console(step, scalars, tokens_per_s, table)
                 # after the step is logged: the alarm's step and slope are in tensorboard when the run stops
                 self.leak_detector.check()
                 if self.checkpoint.due(step, last=step == cfg.training.steps):
@@ -399,18 +416,26 @@ class Trainer:
             self._log_summary(summary)
         return losses
 
+    def _console(self, step: int, scalars: dict[str, float], tokens_per_s: float, table: RankTable) -> None:
+        """The step's console line (rank 0): memory of the rank with the largest peak, named when there are
+        several ranks."""
+        worst = table.worst("peak_allocated_GiB") or table.worst("rss_GiB")
+        rank = worst[0] if worst is not None and table.world_size > 1 else None
+        row = table.rows[worst[0] if worst is not None else 0]
+        value = {field: None if math.isnan(x) else x for field, x in zip(FIELDS, row)}
+        self.metrics.console(step, scalars["loss"], scalars["grad_norm"], tokens_per_s, value["allocated_GiB"],
+                             value["peak_allocated_GiB"], scalars["lr"], rss_GiB=value["rss_GiB"],
+                             worst_rank=rank)
+
     def _log_summary(self, summary: RunSummary) -> None:
-        """One line on rank 0 at the end of the run (`RunSummary.line`), with the largest rank's peaks: the ones
-        that decide whether a layout fits."""
-        peaks = [summary.peak_tensor_bytes, summary.peak_rss_bytes]
-        if dist.is_initialized():
-            reduced = torch.tensor([-1 if b is None else b for b in peaks], device=self.device)
-            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
-            peaks = [None if b < 0 else b for b in reduced.tolist()]
-        if self.rank == 0:
-            logger.info("run done: %s", summary.line(*peaks, self.dims.world_size > 1, self.start_step,
-                                                     self.cfg.training.steps, self.tb_run_dir,
-                                                     self.checkpoint.last_published))
+        """One line on rank 0 at the end of the run (`RunSummary.line`), with the largest peak over the ranks (the
+        one that decides whether a layout fits) and the rank that had it; the HParams row's metrics."""
+        if self.rank != 0:
+            return
+        logger.info("run done: %s", summary.line(self.start_step, self.cfg.training.steps, self.tb_run_dir,
+                                                 self.checkpoint.last_published))
+        if summary.steps:
+            self.metrics.log_run_end(summary.last_step, summary.run_metrics())
 
     def close(self) -> None:
         self.preemption.close()

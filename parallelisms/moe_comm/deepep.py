@@ -352,7 +352,7 @@ class DeepEPDispatcher(TokenDispatcher):
     def metrics(cls) -> dict[str, float]:
         """Live handles (0 at every step end) and the bytes of the DeepEP buffer (allocated outside PyTorch)."""
         return {"moe/live_handles": float(HANDLES.live_handles()),
-                "memory/deepep_buffer_bytes": float(BUFFERS.nbytes())}
+                "memory/deepep_buffer_GiB": BUFFERS.nbytes() / 2**30}
 
     @classmethod
     def config_problem(cls, parallel_dims, activation_checkpoint, compile) -> tuple[str, str, str] | None:

@@ -33,7 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from statistics import median
 
-__all__ = ["ALARM_TAG", "SLOPE_TAG", "LeakDetector", "LeakVerdict", "MemoryLeakError", "theil_sen_slope"]
+__all__ = ["ALARM_RANK_TAG", "ALARM_TAG", "SLOPE_TAG", "LeakDetector", "LeakVerdict", "MemoryLeakError",
+           "theil_sen_slope"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,10 @@ _MiB = float(1 << 20)
 SLOPE_TAG = "memory/leak_slope_MiB_per_step"
 """Tensorboard tag of the slope, logged every step once the window is full."""
 ALARM_TAG = "memory/leak_alarm"
-"""Tensorboard tag logged once, with the value 1, at the step the detector raised its alarm."""
+"""Tensorboard tag logged once, with the value 1, at the step the detector raised its alarm (in a rank's folder:
+its own alarm; in the run folder: any rank's)."""
+ALARM_RANK_TAG = "memory/leak_alarm_rank"
+"""Run-folder tag logged beside ``ALARM_TAG``: the (lowest) rank whose detector raised the alarm at that step."""
 
 
 class MemoryLeakError(RuntimeError):
@@ -69,6 +73,8 @@ class LeakVerdict:
         leaking: the slope has been above the threshold for the confirmation span (``window // 2`` steps).
         growth_by_category: bytes each memory category (parameters, activations, ...) grew by over the window,
             when the caller passed a breakdown; empty otherwise.
+        where: the rank it is about, with its place in the layout (e.g. ``rank 5 (stage 1, EP rank 1 of 4)``);
+            empty in a single process.
     """
 
     step: int
@@ -77,6 +83,7 @@ class LeakVerdict:
     threshold_bytes_per_step: float
     leaking: bool
     growth_by_category: Mapping[str, int]
+    where: str = ""
 
     @property
     def slope_MiB_per_step(self) -> float:
@@ -84,7 +91,8 @@ class LeakVerdict:
 
     def message(self) -> str:
         """One line describing the leak: rate, step range, threshold and the category that grew most."""
-        text = (f"memory leak: memory allocated at step end grows {self.slope_MiB_per_step:.4g} MiB/step "
+        text = (f"{self.where + ': ' if self.where else ''}memory leak: memory allocated at step end grows "
+                f"{self.slope_MiB_per_step:.4g} MiB/step "
                 f"(Theil-Sen slope over steps {self.first_step}-{self.step}; threshold "
                 f"{self.threshold_bytes_per_step / _MiB:.4g} MiB/step)")
         if self.growth_by_category:
@@ -108,13 +116,14 @@ class LeakDetector:
             snapshot); its own errors are logged, not raised, so that they cannot hide the leak report.
         enabled: ``False`` makes ``update`` a no-op returning None (no tracking, so nothing to watch).
         warn: log the warning at the alarm; offline analysis (``trainer.plot_memory``) reports by itself.
+        where: the rank this detector watches, with its place in the layout, named in its verdicts' messages.
 
     The alarm is raised once per run: one warning, however long the leak lasts. The slope keeps being reported.
     """
 
     def __init__(self, warmup_steps: int = 5, window: int = 10, threshold_bytes_per_step: float = 0.1 * _MiB,
                  fail_on_leak: bool = False, on_leak: Callable[[LeakVerdict], object] | None = None,
-                 enabled: bool = True, warn: bool = True) -> None:
+                 enabled: bool = True, warn: bool = True, where: str = "") -> None:
         if window < 3:
             raise ValueError(f"leak window must be at least 3 steps, got {window}")
         if warmup_steps < 0 or threshold_bytes_per_step <= 0:
@@ -127,6 +136,7 @@ class LeakDetector:
         self.on_leak = on_leak
         self.enabled = enabled
         self.warn = warn
+        self.where = where
         self.alarm: LeakVerdict | None = None
         """The verdict that raised the alarm, once it has been raised."""
         self._updates = 0
@@ -134,12 +144,13 @@ class LeakDetector:
         self._above = 0
 
     @classmethod
-    def from_config(cls, cfg, on_leak: Callable[[LeakVerdict], object] | None = None) -> LeakDetector:
+    def from_config(cls, cfg, on_leak: Callable[[LeakVerdict], object] | None = None,
+                    where: str = "") -> LeakDetector:
         """A detector for the ``[memory]`` config section; disabled when tracking is off or ``leak_window`` is 0."""
         return cls(warmup_steps=cfg.leak_warmup_steps, window=max(cfg.leak_window, 3),
                    threshold_bytes_per_step=cfg.leak_threshold_MiB_per_step * _MiB,
                    fail_on_leak=cfg.fail_on_leak, on_leak=on_leak,
-                   enabled=cfg.track != "off" and cfg.leak_window > 0)
+                   enabled=cfg.track != "off" and cfg.leak_window > 0, where=where)
 
     def update(self, step: int, allocated_bytes: int,
                breakdown: Mapping[str, int] | None = None) -> LeakVerdict | None:
@@ -164,7 +175,7 @@ class LeakDetector:
         growth = {name: last[name] - first.get(name, 0) for name in last}
         verdict = LeakVerdict(step=step, first_step=self._points[0][0], slope_bytes_per_step=slope,
                               threshold_bytes_per_step=self.threshold_bytes_per_step,
-                              leaking=self._above >= self.confirm_steps, growth_by_category=growth)
+                              leaking=self._above >= self.confirm_steps, growth_by_category=growth, where=self.where)
         if verdict.leaking and self.alarm is None:
             self._raise_alarm(verdict)
         return verdict

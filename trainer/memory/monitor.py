@@ -35,6 +35,10 @@ __all__ = ["MemoryMonitor", "MemoryStats"]
 logger = logging.getLogger(__name__)
 
 _GiB = float(1 << 30)
+_LEFT_BEHIND = ("activations", "gradients")
+"""Step-end categories that a healthy step leaves empty (gradients are freed with set_to_none)."""
+_VARYING = ("activations", "gradients", "other")
+"""Peak categories that change with the step, the AC mode or the layout's transients."""
 
 
 @dataclass(frozen=True)
@@ -231,16 +235,22 @@ class MemoryMonitor:
     @staticmethod
     def to_scalars(stats: MemoryStats) -> dict[str, float]:
         """Tensorboard-ready scalars of the measured fields only: sizes in GiB under ``memory/``, counters as plain
-        numbers. A field that was not measured has no tag (a 0 would read as a measurement)."""
+        numbers. A field that was not measured has no tag (a 0 would read as a measurement).
+
+        Of the breakdowns, only what tells steps and runs apart: at the peak, activations, gradients and other
+        (parameters and optimizer state are the same at every step); at step end, activations and gradients only
+        where some are left (a healthy step leaves none: a chart of them is a leak's trace, not a flat zero)."""
         sizes = {"allocated": stats.allocated_bytes, "peak_allocated": stats.peak_bytes,
                  "reserved": stats.reserved_bytes, "rss": stats.rss_bytes}
         scalars = {f"memory/{name}_GiB": nbytes / _GiB for name, nbytes in sizes.items() if nbytes is not None}
         counters = {"num_alloc_retries": stats.num_alloc_retries, "num_ooms": stats.num_ooms}
         scalars.update({f"memory/{name}": float(n) for name, n in counters.items() if n is not None})
-        for name, nbytes in stats.breakdown.items():
-            scalars[f"memory/breakdown/{name}_GiB"] = nbytes / _GiB
-        for name, nbytes in stats.peak_breakdown.items():
-            scalars[f"memory/peak_breakdown/{name}_GiB"] = nbytes / _GiB
+        for name in _LEFT_BEHIND:
+            if stats.breakdown.get(name):
+                scalars[f"memory/breakdown/{name}_GiB"] = stats.breakdown[name] / _GiB
+        for name in _VARYING:
+            if name in stats.peak_breakdown:
+                scalars[f"memory/peak_breakdown/{name}_GiB"] = stats.peak_breakdown[name] / _GiB
         return scalars
 
     def dump_table(self, path: str) -> dict[str, Any]:

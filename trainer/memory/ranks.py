@@ -1,0 +1,147 @@
+"""Memory across ranks: one small gather per step gives rank 0 a few numbers of every rank, so that rank 0's
+tensorboard, console line and summary show the spread and name the rank that needs the most memory.
+
+Rank 0 is rarely that rank: the first pipeline stage holds the most activations, and the EP rank of a hot expert
+receives the most rows. Each rank contributes one row of `FIELDS` (NaN where it measured nothing); rank 0 turns the
+rows into, for each field, `memory/<field>/max`, `/min`, `/median` and `/max_rank` (the rank holding the max), plus
+the same under `memory/<field>/stage_<s>/` per pipeline stage when PP > 1. The cost is one gather of
+`len(FIELDS) + 1` doubles per rank and step (measured in docs/memory.md, "Memory across ranks").
+
+Where a rank sits follows from the world mesh's layout, `(pp, dp_replicate, efsdp, ep)` with pp outermost
+(`parallelisms/mesh.py`): its stage is `rank // (world / pp)` and its EP rank `rank % ep`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer.memory.leak_detector import LeakVerdict
+from trainer.memory.monitor import MemoryStats
+
+__all__ = ["FIELDS", "CrossRankMemory", "RankTable", "memory_layout", "memory_values", "place_of"]
+
+FIELDS = ("peak_allocated_GiB", "allocated_GiB", "reserved_GiB", "rss_GiB", "device_share_pct",
+          "leak_slope_MiB_per_step")
+"""The per-rank numbers gathered each step: the peak within the step and the tensor memory at its end, the CUDA
+caching allocator's reserved bytes or the process RSS, the step's peak as a share of the device's memory (CUDA),
+and the leak detector's slope once its window is full."""
+_ALARM = len(FIELDS)  # the last column: 1 on the step a rank's leak detector raised its alarm
+
+
+def place_of(rank: int, world_size: int, pp: int, ep: int) -> str:
+    """`rank 5 (stage 1, EP rank 1 of 4)`: a rank with where it sits in the layout (only what the layout has)."""
+    where = []
+    if pp > 1:
+        where.append(f"stage {rank // (world_size // pp)}")
+    if ep > 1:
+        where.append(f"EP rank {rank % ep} of {ep}")
+    return f"rank {rank}" + (f" ({', '.join(where)})" if where else "")
+
+
+@dataclass(frozen=True)
+class RankTable:
+    """Every rank's row of one step (rank 0 only): `rows[r][i]` is field `FIELDS[i]` of rank r (NaN: not measured)."""
+
+    rows: list[list[float]]
+    pp: int
+    ep: int
+
+    @property
+    def world_size(self) -> int:
+        return len(self.rows)
+
+    def column(self, field: str, ranks: range | None = None) -> dict[int, float]:
+        """Rank -> value of `field`, for the ranks that measured it."""
+        i = FIELDS.index(field)
+        return {r: self.rows[r][i] for r in (ranks or range(self.world_size)) if not math.isnan(self.rows[r][i])}
+
+    def worst(self, field: str) -> tuple[int, float] | None:
+        """(rank, value) of the largest value of `field` (the lowest such rank), or None where no rank measured it."""
+        values = self.column(field)
+        if not values:
+            return None
+        rank = max(values, key=lambda r: (values[r], -r))
+        return rank, values[rank]
+
+    def place(self, rank: int) -> str:
+        """`rank` with its stage and EP rank (`place_of`)."""
+        return place_of(rank, self.world_size, self.pp, self.ep)
+
+    def alarms(self) -> list[int]:
+        """The ranks whose leak detector raised its alarm at this step."""
+        return [r for r, row in enumerate(self.rows) if row[_ALARM] > 0]
+
+    def scalars(self) -> dict[str, float]:
+        """The tensorboard scalars of the spread (see the module docstring); nothing for an unmeasured field."""
+        scalars: dict[str, float] = {}
+        per_stage = self.world_size // self.pp
+        groups = [("", range(self.world_size))]
+        if self.pp > 1:
+            groups += [(f"/stage_{s}", range(s * per_stage, (s + 1) * per_stage)) for s in range(self.pp)]
+        for field in FIELDS:
+            for suffix, ranks in groups:
+                values = self.column(field, ranks)
+                if not values:
+                    continue
+                rank = max(values, key=lambda r: (values[r], -r))
+                tag = f"memory/{field}{suffix}"
+                scalars.update({f"{tag}/max": values[rank], f"{tag}/min": min(values.values()),
+                                f"{tag}/median": statistics.median(values.values()),
+                                f"{tag}/max_rank": float(rank)})
+        return scalars
+
+
+def memory_layout(pp: int) -> dict:
+    """Tensorboard's Custom Scalars layout of the spread: one chart per field (and per stage) with its max, median
+    and min as three lines, so a field reads as a band instead of three charts."""
+    charts = {}
+    stages = [f"/stage_{s}" for s in range(pp)] if pp > 1 else []
+    for field in FIELDS:
+        for suffix in ["", *stages]:
+            tag = f"memory/{field}{suffix}"
+            charts[f"{field}{suffix.replace('/', ' ')}"] = ["Multiline", [f"^{tag}/(max|median|min)$"]]
+    return {"memory across ranks": charts}
+
+
+class CrossRankMemory:
+    """Gathers each rank's row to rank 0 (no collective in a single process).
+
+    group: the process group of every rank (None: a single process). device: where the gather's tensors live
+    (the process group's device: CUDA for NCCL, CPU for gloo).
+    """
+
+    def __init__(self, group, device: torch.device, rank: int, world_size: int, pp: int, ep: int) -> None:
+        self.group, self.device, self.rank = group, device, rank
+        self.world_size, self.pp, self.ep = world_size, pp, ep
+
+    def gather(self, values: dict[str, float | None], alarm: bool) -> RankTable | None:
+        """This rank's `values` (by field of `FIELDS`; missing or None: not measured) and whether its leak
+        detector raised its alarm at this step, gathered; the table on rank 0, None on the others."""
+        row = [math.nan if values.get(f) is None else float(values[f]) for f in FIELDS] + [float(alarm)]
+        if self.group is None:
+            return RankTable([row], self.pp, self.ep)
+        mine = torch.tensor(row, dtype=torch.float64, device=self.device)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(mine, rows, dst=0, group=self.group)
+        if self.rank != 0:
+            return None
+        return RankTable(torch.stack(rows).tolist(), self.pp, self.ep)
+
+
+def memory_values(stats: MemoryStats, verdict: LeakVerdict | None, device_bytes: int | None) -> dict[str, float | None]:
+    """This rank's row of `FIELDS` from its step's `MemoryStats`, its leak detector's verdict (None before the
+    window is full) and the device's memory (None off CUDA)."""
+    peak = stats.peak_bytes
+    return {"peak_allocated_GiB": _gib(peak), "allocated_GiB": _gib(stats.allocated_bytes),
+            "reserved_GiB": _gib(stats.reserved_bytes), "rss_GiB": _gib(stats.rss_bytes),
+            "device_share_pct": 100 * peak / device_bytes if peak is not None and device_bytes else None,
+            "leak_slope_MiB_per_step": verdict.slope_MiB_per_step if verdict is not None else None}
+
+
+def _gib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**30
