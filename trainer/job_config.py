@@ -23,21 +23,21 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
+from core.config import (ConfigError, check_fields, check_sections, config_to_toml, load, option,
+                         run_with_config_errors)
+from core.model_config import ModelSection, MoESection
+from core.model_spec import ModelJob, ParallelizeJob
 from parallelisms.activation_checkpoint.config import ActivationCheckpointSection, ac_config_problem
 from parallelisms.compile import CompileSection, compiles_model
-from quantization.fp8.config import Fp8Section
 from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.parallel_dims import ParallelDims, ParallelismSection
+from quantization.fp8.config import Fp8Section
 from trainer.checkpoint.config import CheckpointSection
-from core.config import (ConfigError, check_fields, check_sections, config_to_toml, load, option,
-                            run_with_config_errors)
 from trainer.data.config import DatasetSection
 from trainer.lr_schedule import LRSchedulerSection
 from trainer.memory.config import MemorySection
-from trainer.metrics import MetricsSection
+from trainer.metrics import LABEL_MAX, MetricsSection
 from trainer.optimizer import OptimizerSection
-from core.model_config import ModelSection, MoESection
-from core.model_spec import ModelJob, ParallelizeJob
 from trainer.registry import get_model_spec
 from trainer.tokenizer import TokenizerSection
 from trainer.training_config import TrainingSection, ValidationSection
@@ -108,6 +108,10 @@ def load_config(argv: Sequence[str]) -> JobConfig:
     return load(JobConfig, argv, config_file_key="job.config_file")
 
 
+#: Sections whose keys come first in a run's label: what shapes memory and speed, the usual subject of a comparison.
+_LABEL_FIRST = ("activation_checkpoint", "parallelism", "fp8", "compile", "moe", "model", "training")
+
+
 def _file_config(cfg: JobConfig) -> JobConfig:
     """The job as its TOML file alone gives it (the defaults without one)."""
     return load_config(["--job.config_file", cfg.job.config_file]) if cfg.job.config_file else JobConfig()
@@ -115,10 +119,11 @@ def _file_config(cfg: JobConfig) -> JobConfig:
 
 def set_keys(cfg: JobConfig) -> list[tuple[str, object]]:
     """(`section.key`, value) of every key outside `[job]` whose value is not the one the TOML file (or, without
-    one, the defaults) gives: what the command line set."""
+    one, the defaults) gives: what the command line set; the sections of `_LABEL_FIRST` first."""
     base = _file_config(cfg)
     changed = []
-    for section in fields(cfg):
+    first = [s for s in _LABEL_FIRST if hasattr(cfg, s)]
+    for section in sorted(fields(cfg), key=lambda f: first.index(f.name) if f.name in first else len(first)):
         if section.name == "job":
             continue
         mine, theirs = getattr(cfg, section.name), getattr(base, section.name)
@@ -140,7 +145,14 @@ def run_name(cfg: JobConfig) -> str:
         text = str(value)
         return os.path.basename(text.rstrip("/")) if os.sep in text else text
 
-    return ",".join(f"{key.rpartition('.')[2]}={shown(value)}" for key, value in set_keys(cfg))
+    parts = [f"{key.rpartition('.')[2]}={shown(value)}" for key, value in set_keys(cfg)]
+    # whole settings only: as many as fit a folder name's label, then how many more there are
+    for n in range(len(parts), 0, -1):
+        more = f",+{len(parts) - n}" if n < len(parts) else ""
+        label = ",".join(parts[:n]) + more
+        if len(label) <= LABEL_MAX:
+            return label
+    return f"+{len(parts)}" if parts else ""
 
 
 def model_job(cfg: JobConfig) -> ModelJob:

@@ -28,7 +28,8 @@ class MetricsSection:
     enable_tensorboard: bool = True
     """Write tensorboard event files under dump_folder."""
     save_for_all_ranks: bool = False
-    """Write metrics from every rank, not just rank 0 (useful to see per-rank memory or imbalance)."""
+    """Also write every rank's own memory curves to <run folder>/rank_<r>/ (rank 0 always logs the spread over
+    the ranks and the rank with the most memory in the run folder)."""
 
 
 __all__ = ["MetricLogger", "init_logging", "new_run_dir", "read_hparams", "read_scalars", "run_dirs", "run_label"]

@@ -127,7 +127,7 @@ class Trainer:
         self.metrics = MetricLogger(self.tb_run_dir, self.rank, cfg.metrics.enable_tensorboard,
                                     cfg.metrics.save_for_all_ranks)
         self.metrics.log_run_start(config_to_toml(cfg), run_hparams(cfg, self.dims), list(RUN_METRICS),
-                                   memory_layout(pp))
+                                   memory_layout(pp, cuda=device.type == "cuda"))
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizers,
                                             self.lr_schedulers, self.train_loader)
         self.start_step = self.checkpoint.load()

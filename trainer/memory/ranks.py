@@ -30,6 +30,7 @@ FIELDS = ("peak_allocated_GiB", "allocated_GiB", "reserved_GiB", "rss_GiB", "dev
 """The per-rank numbers gathered each step: the peak within the step and the tensor memory at its end, the CUDA
 caching allocator's reserved bytes or the process RSS, the step's peak as a share of the device's memory (CUDA),
 and the leak detector's slope once its window is full."""
+_CUDA_ONLY = ("reserved_GiB", "device_share_pct")
 _ALARM = len(FIELDS)  # the last column: 1 on the step a rank's leak detector raised its alarm
 
 
@@ -96,12 +97,15 @@ class RankTable:
         return scalars
 
 
-def memory_layout(pp: int) -> dict:
+def memory_layout(pp: int, cuda: bool) -> dict:
     """Tensorboard's Custom Scalars layout of the spread: one chart per field (and per stage) with its max, median
-    and min as three lines, so a field reads as a band instead of three charts."""
+    and min as three lines, so a field reads as a band instead of three charts; off CUDA, none for the fields only
+    CUDA measures."""
     charts = {}
     stages = [f"/stage_{s}" for s in range(pp)] if pp > 1 else []
     for field in FIELDS:
+        if not cuda and field in _CUDA_ONLY:
+            continue
         for suffix in ["", *stages]:
             tag = f"memory/{field}{suffix}"
             charts[f"{field}{suffix.replace('/', ' ')}"] = ["Multiline", [f"^{tag}/(max|median|min)$"]]

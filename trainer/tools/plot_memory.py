@@ -264,6 +264,7 @@ def render(run: RunMemory, out_path: str, threshold_MiB_per_step: float = 0.1, t
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise SystemExit("trainer.plot_memory needs matplotlib: pip install -e '.[plot]'") from None
 
@@ -288,6 +289,7 @@ def render(run: RunMemory, out_path: str, threshold_MiB_per_step: float = 0.1, t
     ax_host.set_ylabel("RSS / CUDA reserved (GiB)" if cuda else "process RSS (GiB)")
     ax_slope.set_ylabel("leak slope (MiB/step)")
     ax_slope.set_xlabel("step")
+    ax_slope.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (ax_mem, ax_host):
         ax.tick_params(labelbottom=False)  # the panels share the step axis: labelled once, at the bottom
     for ax in (ax_mem, ax_host, ax_slope):
