@@ -58,8 +58,8 @@ def _patch(module):
     advance = module.Heartbeat.advance
     pending = [f for f in FAULTS if "step" in f]
 
-    def faulty(self, point, step=None):
-        advance(self, point, step)
+    def faulty(self, point, step=None, patience=0.0):
+        advance(self, point, step, patience)
         for fault in list(pending):
             if fault["rank"] in (None, self.rank) and fault["step"] == self.step and point.startswith(fault["point"]):
                 pending.remove(fault)
@@ -373,6 +373,14 @@ def test_the_watchdog_names_a_rank_without_heartbeat_a_rank_behind_or_the_point_
     assert named == [] and line.startswith("training error: no rank advanced for more than comm.init_timeout_seconds "
                                            "= 5 s: all 2 ranks are in step 7 (optimizer)"), line
     assert heartbeat.verdict([seen(3, "optimizer")] * 2, now=94.0) is None  # advanced 4 s ago
+    # a checkpoint save may take comm.checkpoint_timeout_seconds: 10 s into it is no hang, 1810 s is
+    saving = _Seen(beat=5, position=3, step=7, point="checkpoint save", patience=1800.0, watches=True, beat_at=99.0,
+                   advanced_at=90.0)
+    assert heartbeat.verdict([saving] * 2, now=100.0) is None
+    saving.beat_at = 1899.0  # alive all along: the progress rule, not the silence one
+    named, line = heartbeat.verdict([saving] * 2, now=1900.0)
+    assert named == [] and "no rank advanced for more than comm.checkpoint_timeout_seconds = 1800 s: all 2 ranks " \
+        "are in step 7 (checkpoint save)" in line, line
 
 
 

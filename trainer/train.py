@@ -141,6 +141,7 @@ class Trainer:
         if dist.is_initialized() and self.dims.world_size > 1 and devices.store() is not None:
             self.heartbeat = Heartbeat(devices.store(), self.rank, self.dims.world_size,
                                        cfg.comm.init_timeout_seconds)
+        self.collective_timeout_s = cfg.comm.init_timeout_seconds  # the process groups' until the first steps
         if cfg.comm.init_timeout_steps == 0 and dist.is_initialized():
             self._enter_train_timeout()
         source = f"HF config {cfg.model.hf_config_path}" if cfg.model.hf_config_path else cfg.model.flavor
@@ -185,7 +186,8 @@ class Trainer:
         collectives' the train timeout plus a margin, so that a silent rank is named before a collective times out
         without naming anyone (trainer/watchdog.py)."""
         seconds = self.cfg.comm.train_timeout_seconds
-        set_process_group_timeouts(seconds + COLLECTIVE_MARGIN_S)
+        self.collective_timeout_s = seconds + COLLECTIVE_MARGIN_S
+        set_process_group_timeouts(self.collective_timeout_s)
         if self.heartbeat is not None:
             self.heartbeat.timeout, self.heartbeat.timeout_key = seconds, "comm.train_timeout_seconds"
 
@@ -196,18 +198,33 @@ class Trainer:
         if step <= self.start_step:
             self.preempted = self.preemption.stop(step)
             return
-        self._advance("preemption checkpoint save")
         t0 = time.perf_counter()
         if not self.cfg.checkpoint.enable and self.rank == 0:
             logger.info("checkpoint.enable is false: the preemption checkpoint goes to %s, which the same command "
                         "resumes from", self.checkpoint.folder)
-        path = self.checkpoint.save_now(step, marker={"step": step, "signal": self.preemption.received.name})
+        with self._checkpoint_save("preemption checkpoint save"):
+            path = self.checkpoint.save_now(step, marker={"step": step, "signal": self.preemption.received.name})
         self.preempted = self.preemption.stop(step, path, time.perf_counter() - t0)
 
-    def _advance(self, point: str, step: int | None = None) -> None:
+    def _advance(self, point: str, step: int | None = None, patience: float = 0.0) -> None:
         """This rank reached `point` of the loop: its heartbeat's position moves on (trainer/watchdog.py)."""
         if self.heartbeat is not None:
-            self.heartbeat.advance(point, step)
+            self.heartbeat.advance(point, step, patience)
+
+    @contextlib.contextmanager
+    def _checkpoint_save(self, point: str):
+        """A save may take far longer than a step (a large model, a shared file system): while it runs, neither
+        the heartbeat's progress rule nor a collective of the save counts it as a hang before
+        `comm.checkpoint_timeout_seconds`."""
+        seconds = self.cfg.comm.checkpoint_timeout_seconds
+        self._advance(point, patience=seconds)
+        if dist.is_initialized():
+            set_process_group_timeouts(seconds + COLLECTIVE_MARGIN_S)
+        try:
+            yield
+        finally:
+            if dist.is_initialized():
+                set_process_group_timeouts(self.collective_timeout_s)
 
     def _load_hf_weights(self, path: str) -> None:
         """Initial weights from a HF checkpoint directory, read in full on every rank, then sharded."""
@@ -403,8 +420,8 @@ class Trainer:
                 # after the step is logged: the alarm's step and slope are in tensorboard when the run stops
                 self.leak_detector.check()
                 if self.checkpoint.due(step, last=step == cfg.training.steps):
-                    self._advance("checkpoint save")
-                    self.checkpoint.maybe_save(step, last=step == cfg.training.steps)
+                    with self._checkpoint_save("checkpoint save"):
+                        self.checkpoint.maybe_save(step, last=step == cfg.training.steps)
                 if step == self.start_step + cfg.comm.init_timeout_steps and dist.is_initialized():
                     self._enter_train_timeout()
                 self._advance("the end of step (preemption poll)")

@@ -67,8 +67,10 @@ class CommSection:
     done (the first compile and warm-up run there); also how long a rank may be silent or no rank advance then."""
     train_timeout_seconds: int = option(100, ge=1)
     """After the first steps: how long a rank may be silent (no heartbeat) or no rank advance (a step's part, a
-    validation batch, a checkpoint save) before the job ends with a line naming the rank(s); collectives time out
-    15 s later."""
+    validation batch) before the job ends with a line naming the rank(s); collectives time out 15 s later."""
+    checkpoint_timeout_seconds: int = option(1800, ge=1)
+    """How long a checkpoint save may take before the ranks still in it count as hung (a large model written to a
+    shared file system takes minutes); collectives time out 15 s later while a save runs."""
     init_timeout_steps: int = option(1, ge=0)
     """Steps that run under the init timeout."""
 
@@ -91,6 +93,7 @@ class _Seen:
     position: int = -1
     step: int = 0
     point: str = "before its first heartbeat"
+    patience: float = 0.0  # how long this rank's point may take without advancing (0: the phase's timeout)
     watches: bool = False
     beat_at: float = 0.0
     advanced_at: float = 0.0
@@ -114,7 +117,7 @@ class Heartbeat:
         local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
         self.watches = local_rank < 2
         self.on_hung = on_hung or self._end_job
-        self._at = (0, 0, "starting")  # (position, step, point): one tuple, so the beat thread reads it whole
+        self._at = (0, 0, "starting", 0.0)  # (position, step, point, patience): one tuple, read whole
         self._beats = 0
         self._stop = threading.Event()
         self._beat()
@@ -129,15 +132,18 @@ class Heartbeat:
         """The step this rank is in."""
         return self._at[1]
 
-    def advance(self, point: str, step: int | None = None) -> None:
-        """This rank reached `point` of the loop (in `step`, or the current step): its position moves on by one."""
-        position, current, _ = self._at
-        self._at = (position + 1, current if step is None else step, point)
+    def advance(self, point: str, step: int | None = None, patience: float = 0.0) -> None:
+        """This rank reached `point` of the loop (in `step`, or the current step): its position moves on by one.
+        `patience`: how long the point may take without counting as a hang, when longer than the phase's timeout
+        (a checkpoint save)."""
+        position, current, _, _ = self._at
+        self._at = (position + 1, current if step is None else step, point, patience)
 
     def _beat(self, point: str | None = None) -> None:
-        position, step, at = self._at
+        position, step, at, patience = self._at
         self._beats += 1
-        self.store.set(f"heartbeat/{self.rank}", f"{self._beats} {position} {step} {int(self.watches)} {point or at}")
+        self.store.set(f"heartbeat/{self.rank}",
+                       f"{self._beats} {position} {step} {int(self.watches)} {patience:g} {point or at}")
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(self.PERIOD):
@@ -158,12 +164,12 @@ class Heartbeat:
         for state, raw in zip(seen, values):
             if raw is None:
                 continue
-            beat, position, step, watches, point = raw.split(" ", 4)
+            beat, position, step, watches, patience, point = raw.split(" ", 5)
             if int(beat) != state.beat:
                 state.beat, state.beat_at = int(beat), now
             if int(position) != state.position:
                 state.position, state.advanced_at = int(position), now
-            state.step, state.watches, state.point = int(step), watches == "1", point
+            state.step, state.watches, state.point, state.patience = int(step), watches == "1", point, float(patience)
             state.done = point == _DONE
 
     def verdict(self, seen: list[_Seen], now: float) -> tuple[list[int], str] | None:
@@ -177,12 +183,17 @@ class Heartbeat:
             return silent, (f"training error: {ranks}{more} stopped making progress while rank {self.rank} is in "
                             f"step {self.step}: no heartbeat for more than {self.timeout_key} = {self.timeout:g} s "
                             "(stopped, frozen or holding the interpreter); ending the job")
-        if not watched or now - max(seen[r].advanced_at for r in watched) <= self.timeout:
+        if not watched:
             return None
         lowest = min(seen[r].position for r in watched)
         behind = [r for r in watched if seen[r].position == lowest]
+        # the ranks behind may be at a point allowed to take longer (a checkpoint save)
+        limit = max(self.timeout, min(seen[r].patience for r in behind))
+        if now - max(seen[r].advanced_at for r in watched) <= limit:
+            return None
         where = self._where(seen[behind[0]])
-        rule = f"no rank advanced for more than {self.timeout_key} = {self.timeout:g} s"
+        rule = (f"no rank advanced for more than {self.timeout_key} = {self.timeout:g} s" if limit == self.timeout
+                else f"no rank advanced for more than comm.checkpoint_timeout_seconds = {limit:g} s")
         if len(behind) == len(watched):
             return [], (f"training error: {rule}: all {len(watched)} ranks are {where} (a collective, the file "
                         "system or a device hangs?); ending the job")
