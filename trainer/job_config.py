@@ -117,10 +117,11 @@ def _file_config(cfg: JobConfig) -> JobConfig:
     return load_config(["--job.config_file", cfg.job.config_file]) if cfg.job.config_file else JobConfig()
 
 
-def set_keys(cfg: JobConfig) -> list[tuple[str, object]]:
+def set_keys(cfg: JobConfig, base: JobConfig | None = None) -> list[tuple[str, object]]:
     """(`section.key`, value) of every key outside `[job]` whose value is not the one the TOML file (or, without
-    one, the defaults) gives: what the command line set; the sections of `_LABEL_FIRST` first."""
-    base = _file_config(cfg)
+    one, the defaults) gives, `base` (read when not given): what the command line set; the sections of
+    `_LABEL_FIRST` first."""
+    base = _file_config(cfg) if base is None else base
     changed = []
     first = [s for s in _LABEL_FIRST if hasattr(cfg, s)]
     for section in sorted(fields(cfg), key=lambda f: first.index(f.name) if f.name in first else len(first)):
@@ -136,7 +137,8 @@ def run_name(cfg: JobConfig) -> str:
     """What tells this run apart from the other runs of its job: a `job.description` given on the command line,
     else the keys the command line set, as `key=value` (the key's last part; lists joined by `+`, paths by their
     file name); empty when the run is the TOML file's own."""
-    if cfg.job.description != _file_config(cfg).job.description:
+    base = _file_config(cfg)
+    if cfg.job.description != base.job.description:
         return cfg.job.description
 
     def shown(value: object) -> str:
@@ -145,7 +147,7 @@ def run_name(cfg: JobConfig) -> str:
         text = str(value)
         return os.path.basename(text.rstrip("/")) if os.sep in text else text
 
-    parts = [f"{key.rpartition('.')[2]}={shown(value)}" for key, value in set_keys(cfg)]
+    parts = [f"{key.rpartition('.')[2]}={shown(value)}" for key, value in set_keys(cfg, base)]
     # whole settings only: as many as fit a folder name's label, then how many more there are
     for n in range(len(parts), 0, -1):
         more = f",+{len(parts) - n}" if n < len(parts) else ""

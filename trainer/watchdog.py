@@ -6,8 +6,9 @@ microbatch's forward and backward, before the optimizer, at the step's end, befo
 a checkpoint save): the rank's position is the number of points it passed, with the step and the point's name for
 the line. Every rank passes the same points in the same order, so positions compare across ranks.
 
-Liveness. Every rank runs a daemon thread that writes `<beat> <position> <step> <watches> <point>` under
-`heartbeat/<rank>` once a second; `beat` counts the writes. A rank that is stopped (SIGSTOP, a frozen node) or
+Liveness. Every rank runs a daemon thread that writes `<beat> <position> <step> <watches> <patience> <point>`
+under `heartbeat/<rank>` once a second; `beat` counts the writes, `patience` is how long its point may take (a
+checkpoint save's `comm.checkpoint_timeout_seconds`; 0: the phase's timeout). A rank that is stopped (SIGSTOP, a frozen node) or
 holds the interpreter stops beating. A rank blocked in a call that releases the interpreter (a hung file system
 read, a device sync, a collective) keeps beating but no longer advances.
 

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from core.names import denotes, resolve
 from core.token_dispatch import TokenDispatcher
 from parallelisms.activation_checkpoint.config import name_problem
+from parallelisms.activation_checkpoint.ops import OpTable
 from parallelisms.moe_comm.registry import op_table
 
 __all__ = ["OpCounter", "RecomputeTable", "ScopeRule", "apply_ac"]
@@ -315,22 +316,23 @@ def _syncs_with_host(block: nn.Module) -> bool:
                if isinstance(getattr(m, "dispatcher", None), TokenDispatcher))
 
 
-def _routing_metadata_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _routing_metadata_policy(table: OpTable, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Full AC of an EP block: recompute everything but the host copies and the integer all-to-alls.
 
     Those are the split sizes (a few ints per rank): saving them keeps EP at one host sync per MoE layer and
     step, where a plain full checkpoint would exchange and sync them again in backward. Token rows (floating
     point) are recomputed, communication included, like any other activation of a fully checkpointed block.
     """
-    kind = op_table().kind(op, args, kwargs)
+    kind = table.kind(op, args, kwargs)
     if kind == "d2h_copy" or (kind == "all_to_all" and not args[0].is_floating_point()):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _keep_routing_metadata():
-    """context_fn of full AC for EP blocks (see `_routing_metadata_policy`)."""
-    return _sac_contexts(_routing_metadata_policy)
+    """context_fn of full AC for EP blocks (see `_routing_metadata_policy`); the op table is looked up once per
+    checkpointed call, not for every op the policy sees."""
+    return _sac_contexts(functools.partial(_routing_metadata_policy, op_table()))
 
 
 def apply_ac(layers: nn.ModuleDict, ac_cfg, recompute_modules: RecomputeTable,
@@ -395,9 +397,10 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
         self.kinds: collections.Counter[str] = collections.Counter()
+        self._table = op_table()  # the backends registered when counting starts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.counts[str(func)] += 1
-        self.kinds[op_table().kind(func, args, kwargs) or "other"] += 1
+        self.kinds[self._table.kind(func, args, kwargs) or "other"] += 1
         return func(*args, **kwargs)

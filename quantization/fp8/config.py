@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from core.config import option
-from core.names import DEFAULT, ModuleDefaults, covered_by_any, resolve
+from core.names import DEFAULT, ModuleDefaults, covered_by_any, covers, resolve
 from core.quantization import QUANTIZED_MM
 from quantization.fp8.quantize import BLOCK, ROWWISE_ALIGN
 
@@ -103,7 +103,7 @@ def fp8_config_problem(selection: Fp8Selection, blocks: Iterable[nn.Module],
     known = fp8_block_modules(blocks if vocabulary is None else vocabulary)
     for key in ("modules", "exclude_modules"):
         for name in getattr(selection, key):
-            if not any(covered_by_any(fqn, [name]) for fqn in known):
+            if not any(covers(fqn, name) for fqn in known):
                 return (f"fp8.{key}", f"{name!r} matches no linear or grouped experts inside the blocks (only "
                         "those convert: the embedding, the head, norms and fp32 linears stay high precision)",
                         f"names or dotted parts of: {', '.join(known)}")

@@ -44,6 +44,11 @@ def place_of(rank: int, world_size: int, pp: int, ep: int) -> str:
     return f"rank {rank}" + (f" ({', '.join(where)})" if where else "")
 
 
+def _top(values: dict[int, float]) -> int:
+    """The rank with the largest value; the lowest such rank on a tie."""
+    return max(values, key=lambda r: (values[r], -r))
+
+
 @dataclass(frozen=True)
 class RankTable:
     """Every rank's row of one step (rank 0 only): `rows[r][i]` is field `FIELDS[i]` of rank r (NaN: not measured)."""
@@ -66,7 +71,7 @@ class RankTable:
         values = self.column(field)
         if not values:
             return None
-        rank = max(values, key=lambda r: (values[r], -r))
+        rank = _top(values)
         return rank, values[rank]
 
     def place(self, rank: int) -> str:
@@ -89,7 +94,7 @@ class RankTable:
                 values = self.column(field, ranks)
                 if not values:
                     continue
-                rank = max(values, key=lambda r: (values[r], -r))
+                rank = _top(values)
                 tag = f"memory/{field}{suffix}"
                 scalars.update({f"{tag}/max": values[rank], f"{tag}/min": min(values.values()),
                                 f"{tag}/median": statistics.median(values.values()),
@@ -122,6 +127,10 @@ class CrossRankMemory:
     def __init__(self, group, device: torch.device, rank: int, world_size: int, pp: int, ep: int) -> None:
         self.group, self.device, self.rank = group, device, rank
         self.world_size, self.pp, self.ep = world_size, pp, ep
+        # the buffers every step reuses: this rank's row, and on rank 0 one row per rank
+        self._mine = torch.empty(len(FIELDS) + 1, dtype=torch.float64, device=device)
+        self._table = torch.empty(world_size, len(FIELDS) + 1, dtype=torch.float64, device=device) \
+            if rank == 0 and group is not None else None
 
     def gather(self, values: dict[str, float | None], alarm: bool) -> RankTable | None:
         """This rank's `values` (by field of `FIELDS`; missing or None: not measured) and whether its leak
@@ -129,12 +138,12 @@ class CrossRankMemory:
         row = [math.nan if values.get(f) is None else float(values[f]) for f in FIELDS] + [float(alarm)]
         if self.group is None:
             return RankTable([row], self.pp, self.ep)
-        mine = torch.tensor(row, dtype=torch.float64, device=self.device)
-        rows = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(mine, rows, dst=0, group=self.group)
+        self._mine.copy_(torch.tensor(row, dtype=torch.float64))
+        rows = list(self._table.unbind(0)) if self._table is not None else None
+        dist.gather(self._mine, rows, dst=0, group=self.group)
         if self.rank != 0:
             return None
-        return RankTable(torch.stack(rows).tolist(), self.pp, self.ep)
+        return RankTable(self._table.tolist(), self.pp, self.ep)
 
 
 def memory_values(stats: MemoryStats, verdict: LeakVerdict | None, device_bytes: int | None) -> dict[str, float | None]:
