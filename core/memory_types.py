@@ -20,6 +20,7 @@ class Item:
     nbytes: int
     saved: bool  # kept for backward when the block is not checkpointed
     op: str  # producing op as named in `save_ops` ("input", "other": ops no policy saves)
+    flops: int = 0  # forward FLOPs of the op that produces it (matmuls and attention; 0 for the rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Shape:
     act: int  # bytes per activation element (2 for bf16, 4 for fp32)
     device: str  # "cpu" or "cuda": which kernels run (e.g. attention with or without a score matrix)
     ep: int
+    skew: float = 1.0  # rows the planned expert rank receives over the balanced mean (routing skew)
 
     @property
     def T(self) -> int:
@@ -48,6 +50,7 @@ class BlockMemory:
     ffn_ws: int  # backward working set of the FFN (with any gradient all-to-all buffers)
     unit_bytes: int  # the block's parameters as FSDP gathers them (experts: this rank's EP share)
     grad_bytes: int  # this rank's fp32 gradients of the block
+    a2a_bytes: int = 0  # bytes of one expert-parallel all-to-all of the block (the larger of sent and received)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +74,5 @@ class StageMemory:
     largest_local_param: int  # fp32 bytes of this rank's largest parameter tensor
     buffer_bytes: int
     ep_buffers: int  # expert-parallel communication buffers (0 without EP)
+    param_numel: int = 0  # this rank's parameters of the part (local FSDP / EP shards; rank 0 of its stage)
+    head_flops: int = 0  # forward FLOPs of the output projection for one microbatch (0 without the head)

@@ -59,6 +59,11 @@ class TokenDispatcher:
     #: whether tokens travel through torch.distributed's all_to_all (the op table's "all_to_all"); a backend with
     #: kernels of its own sets False, so that a save_ops naming all_to_all is reported as saving nothing.
     uses_all_to_all: ClassVar[bool] = True
+    #: ranks the routed experts are split over (a backend sets it from its group; 1: every expert is local)
+    ep: int = 1
+    #: fraction of the link bandwidth this backend's token exchange reaches, for the layout planner's step-time
+    #: model (`trainer.tools.step_time`; `--hw.exchange_efficiency` overrides it)
+    exchange_efficiency: ClassVar[float] = 0.5
 
     def setup(self, hidden_dim: int, dtype: torch.dtype) -> None:
         """Create process-wide state (comm buffers) for tokens of `hidden_dim` computed in `dtype`.
@@ -82,6 +87,13 @@ class TokenDispatcher:
     def metrics(cls) -> dict[str, float]:
         """Scalars the trainer logs at the end of every step (measured now, process-wide)."""
         return {}
+
+    @classmethod
+    def planned_buffer_bytes(cls, hidden_bytes: int, ep: int) -> int:
+        """Bytes of communication buffers this backend holds for the whole run, outside PyTorch's allocator, on
+        each rank of an EP group of `ep` ranks sending rows of `hidden_bytes` (the layout planner adds them to a
+        rank's peak). Default: none."""
+        return 0
 
     @classmethod
     def config_problem(cls, parallel_dims, activation_checkpoint, compile) -> tuple[str, str, str] | None:

@@ -45,6 +45,13 @@ class ParallelismSection:
     fsdp_reshard_after_forward: str = option("default", choices=["default", "always", "never"])
     """Free unsharded parameters after forward (always) to save memory, or keep them for backward (never);
     default = always without pipeline parallelism, never with it."""
+    auto: bool = False
+    """Let the layout planner (`python -m trainer.plan`) choose the layout before launch: pipeline degree and
+    schedule, replicate x shard, EP degree and backend, resharding and activation checkpointing mode; the keys of
+    these that the TOML or the command line set keep their values. Prints the chosen layout in one line."""
+    auto_device_memory_gib: float = option(0.0, ge=0)
+    """Memory per rank the auto layout must fit, in GiB; 0 = measure it (the GPU's total memory; on CPU the
+    host's memory divided by the ranks)."""
     dry_run: bool = False
     """Build meshes and the sharded model on a fake process group, report, and exit without training."""
 

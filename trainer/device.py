@@ -30,6 +30,15 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+def memory_per_rank_bytes(world_size: int) -> int:
+    """Memory one rank may use: the GPU's total memory; on CPU the host's physical memory shared by the ranks of
+    this node (`LOCAL_WORLD_SIZE`, else `world_size`)."""
+    if device_type() == "cuda":
+        return torch.cuda.get_device_properties(local_device()).total_memory
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return host // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def world_size_from_env() -> int:
     """World size that torchrun announces (1 when launched without it)."""
     return int(os.environ.get("WORLD_SIZE", 1))

@@ -173,15 +173,17 @@ def parallelize_job(cfg: JobConfig) -> ParallelizeJob:
                           reduce_dtype=cfg.training.mixed_precision_reduce)
 
 
-def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
+def validate_job(cfg: JobConfig, world_size: int, fields_checked: bool = False) -> ParallelDims:
     """Each section's own checks, then those across sections and against the world size; returns the resolved
-    ParallelDims.
+    ParallelDims. `fields_checked`: the caller has checked every key's value against its allowed values (the
+    layout planner, which checks them once and then only sets keys to allowed values).
 
     Model-dependent checks (experts divisible by EP, seq_len within the model's limit, layers per stage) are
     the model spec's job; only the names of `activation_checkpoint.recompute_modules` are checked here, against
     the table the spec exposes.
     """
-    check_fields(cfg)
+    if not fields_checked:
+        check_fields(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     tr = cfg.training
 

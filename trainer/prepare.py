@@ -41,10 +41,16 @@ class Prepared:
     train_loader: PackedDataLoader
     val_loader: PackedDataLoader | None
     checkpoint_note: str | None = None  # what a partial checkpoint load skips, logged once by rank 0
+    auto_layout: str | None = None  # the layout `parallelism.auto` chose, in one line
 
 
 def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
-    """Validate the job against the world size and build the host-side pieces; raise ConfigError on bad input."""
+    """Validate the job against the world size and build the host-side pieces; raise ConfigError on bad input.
+    With `parallelism.auto` the layout planner chooses the layout first (`Prepared.cfg` holds it): every rank
+    chooses the same, from the same config and memory."""
+    auto_layout = None
+    if cfg.parallelism.auto:
+        cfg, auto_layout = _auto_layout(cfg, world_size)
     dims = validate_job(cfg, world_size)
     try:
         spec = get_model_spec(cfg.model.name)
@@ -74,7 +80,18 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
     train_loader = build_loader(cfg, loader_args, hold_out, validation=False)
     val_loader = build_loader(cfg, loader_args, hold_out, validation=True) if cfg.validation.enable else None
     note = _check_checkpoints(cfg, spec, model_args)
-    return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader, note)
+    return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader, note, auto_layout)
+
+
+def _auto_layout(cfg: JobConfig, world_size: int) -> tuple[JobConfig, str]:
+    """`cfg` with the layout the planner chooses for this machine's memory (`parallelism.auto_device_memory_gib`,
+    or measured), and the line that names it."""
+    from trainer import device as devices
+    from trainer.tools.plan import check_model, choose_layout
+
+    check_model(cfg)
+    gib = cfg.parallelism.auto_device_memory_gib or devices.memory_per_rank_bytes(world_size) / 2 ** 30
+    return choose_layout(cfg, world_size, gib, devices.device_type())
 
 
 def _check_checkpoints(cfg: JobConfig, spec: ModelSpec, model_args) -> str | None:

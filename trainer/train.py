@@ -473,6 +473,8 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
     device = devices.init_distributed(timeout_s=cfg.comm.init_timeout_seconds)
     init_logging(devices.rank())
     if devices.rank() == 0:
+        if prep.auto_layout is not None:
+            logger.info(prep.auto_layout)
         warn_settings_without_effect(prep, device)
         if prep.checkpoint_note is not None:
             logger.warning(prep.checkpoint_note)
@@ -505,9 +507,9 @@ def _main(argv: list[str]) -> None:
     if cfg.job.print_config:
         # the checks of a launch first: an invalid config is reported as such, not printed
         rank = int(os.environ.get("RANK", 0))
-        prepare(cfg, devices.world_size_from_env(), rank)
+        prep = prepare(cfg, devices.world_size_from_env(), rank)
         if rank == 0:
-            print(config_to_toml(cfg), end="")
+            print(config_to_toml(prep.cfg), end="")
         return
     run(cfg)
 

@@ -123,6 +123,12 @@ def post_optimizer_step(model_parts, moe_cfg: MoESection, dp_group) -> dict[str,
     for layer_id, counts_E, moe in zip(layer_ids, counts_LE, moe_layers):
         mean = counts_E.mean().clamp_min(1e-9)
         scalars[f"moe/layer_{layer_id}/max_over_mean"] = (counts_E.max() / mean).item()
+        ep = moe.dispatcher.ep
+        if ep > 1:
+            # rows the busiest EP rank's experts received over the mean: the layout planner's --routing-skew
+            per_rank = counts_E.float().view(ep, -1).sum(1)
+            scalars[f"moe/layer_{layer_id}/ep_rank_max_over_mean"] = (per_rank.max() / per_rank.mean()
+                                                                      .clamp_min(1e-9)).item()
         scalars[f"moe/layer_{layer_id}/bias_range"] = (moe.expert_bias.max() - moe.expert_bias.min()).item()
     return scalars
 

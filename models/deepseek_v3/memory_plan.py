@@ -1,10 +1,15 @@
 """DeepSeek-V3's side of the memory plan (`trainer/memory_plan.py`): the tensors each block creates in forward,
 the backward working sets, the FSDP units and the buffers, from the model args and one microbatch's shape.
 
-Sizes assume balanced routing (every expert rank receives T * top_k rows). See docs/memory.md, "Memory plan".
+Expert rows are sized at `Shape.skew` times the balanced mean (every expert rank receives T * top_k rows on
+average; skew 1: balanced routing). Parameter shapes come from a meta-device build of the model. See
+docs/memory.md, "Memory plan".
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 from core.quantization import FP8_TILE
 from quantization.fp8.accounting import gemm_backward_extra_bytes
@@ -54,31 +59,47 @@ def expert_row_align(sh: Shape, fp8_experts: bool) -> int:
     return CPU_GROUP_ALIGN if sh.device == "cpu" and sh.act == 2 else 1
 
 
+def received_rows(args: ModelArgs, sh: Shape) -> int:
+    """Rows the planned expert rank receives: T * top_k on average whatever the EP degree, `sh.skew` times that
+    under skewed routing, at most every row the EP group's tokens can send to this rank's experts."""
+    N = sh.T * args.n_activated_experts
+    if sh.ep == 1:
+        return N
+    most = sh.ep * sh.T * min(args.n_activated_experts, args.n_routed_experts // sh.ep)
+    return min(math.ceil(N * sh.skew), most)
+
+
 def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False, expert_align: int = 1) -> list[Item]:
-    """Every tensor of interest one transformer block creates in forward, for one microbatch; the routed experts'
-    rows padded to multiples of `expert_align` (`moe.padded_rows`: a fixed-size layout)."""
+    """Every tensor of interest one transformer block creates in forward, for one microbatch, with the forward FLOPs
+    of the matmuls and of attention; the routed experts' rows are those this rank receives (`received_rows`), padded
+    to multiples of `expert_align` (`moe.padded_rows`: a fixed-size layout)."""
     T, a, D, H = sh.T, sh.act, args.dim, args.n_heads
     sdpa = sdpa_path(sh)
     items = [Item("input", T * D * a, True, "input")]
     items += _norm("attention_norm", T, D, a)
+    q_out = H * args.qk_head_dim
     if args.q_lora_rank:
-        items.append(Item("wq_a", T * args.q_lora_rank * a, True, "mm"))
+        items.append(Item("wq_a", T * args.q_lora_rank * a, True, "mm", 2 * T * D * args.q_lora_rank))
         items += _norm("q_norm", T, args.q_lora_rank, a)
-        items.append(Item("wq_b", T * H * args.qk_head_dim * a, False, "mm"))
+        items.append(Item("wq_b", T * q_out * a, False, "mm", 2 * T * args.q_lora_rank * q_out))
     else:
-        items.append(Item("wq", T * H * args.qk_head_dim * a, False, "mm"))
-    items.append(Item("wkv_a", T * (args.kv_lora_rank + args.qk_rope_head_dim) * a, True, "mm"))
+        items.append(Item("wq", T * q_out * a, False, "mm", 2 * T * D * q_out))
+    kv_a = args.kv_lora_rank + args.qk_rope_head_dim
+    items.append(Item("wkv_a", T * kv_a * a, True, "mm", 2 * T * D * kv_a))
     items += _norm("kv_norm", T, args.kv_lora_rank, a)
-    items.append(Item("wkv_b", T * H * (args.qk_nope_head_dim + args.v_head_dim) * a, False, "mm"))
+    kv_b = H * (args.qk_nope_head_dim + args.v_head_dim)
+    items.append(Item("wkv_b", T * kv_b * a, False, "mm", 2 * T * args.kv_lora_rank * kv_b))
     bhs = sh.B * H * sh.S
+    # causal attention: half the score matrix is useful work (the FLOPs the metrics count)
+    score_flops, value_flops = bhs * sh.S * args.qk_head_dim, bhs * sh.S * args.v_head_dim
     if sdpa == "math":
         # math path: q and k scaled copies and v made contiguous for the bmms, fp32 scores and probabilities
         items += [Item("sdpa.q", bhs * args.qk_head_dim * _F32, True, "mul"),
                   Item("sdpa.k", bhs * args.qk_head_dim * _F32, True, "mul"),
-                  Item("sdpa.scores", bhs * sh.S * _F32, False, "mm"),
+                  Item("sdpa.scores", bhs * sh.S * _F32, False, "mm", score_flops),
                   Item("sdpa.probs", bhs * sh.S * _F32, True, "softmax"),
                   Item("sdpa.v", bhs * args.v_head_dim * _F32, True, "other"),
-                  Item("sdpa.out", bhs * args.v_head_dim * _F32, False, "mm")]
+                  Item("sdpa.out", bhs * args.v_head_dim * _F32, False, "mm", value_flops)]
     else:
         # fused kernels keep q, k (the concatenated copies), the output and the fp32 log-sum-exp; with padded v
         # also the padded copy, and the output has q/k's head dim
@@ -87,38 +108,39 @@ def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False, e
             items.append(Item("sdpa.v_padded", bhs * dv * a, True, "other"))
         items += [Item("sdpa.q", bhs * args.qk_head_dim * a, True, "other"),
                   Item("sdpa.k", bhs * args.qk_head_dim * a, True, "other"),
-                  Item("sdpa.out", bhs * dv * a, True, "attention"),
+                  Item("sdpa.out", bhs * dv * a, True, "attention", score_flops + bhs * sh.S * dv),
                   Item("sdpa.lse", bhs * _F32, True, "attention")]
     items.append(Item("wo.input", T * H * args.v_head_dim * a, True, "other"))
-    items.append(Item("wo", T * D * a, False, "mm"))
+    items.append(Item("wo", T * D * a, False, "mm", 2 * T * H * args.v_head_dim * D))
     items += _norm("ffn_norm", T, D, a)
     if not moe:
         return items + _swiglu("feed_forward", T, D, args.inter_dim, a, "mm")
     E, K = args.n_routed_experts, args.n_activated_experts
-    N = T * K  # rows into the experts of this rank: T * top_k on average, whatever the EP degree
-    P = padded_rows(N, E // sh.ep, expert_align)  # the same rows in the padded layout the grouped GEMMs run on
+    N = T * K  # rows this rank sends to the experts (its tokens times top_k)
+    R = received_rows(args, sh)  # rows its experts receive
+    P = padded_rows(R, E // sh.ep, expert_align)  # the same rows in the padded layout the grouped GEMMs run on
     I = args.moe_inter_dim
     if a != _F32:
         items.append(Item("router.x_fp32", T * D * _F32, True, "other"))
-    items += [Item("router.gate", T * E * _F32, False, "mm"),
+    items += [Item("router.gate", T * E * _F32, False, "mm", 2 * T * D * E),
               Item("router.scores", T * E * _F32, True, "softmax"),
               Item("router.topk", T * K * (_I64 + _F32), True, "topk"),
               Item("dispatch.order", 2 * N * _I64, True, "other"),
               Item("experts.x", P * D * a, True, "other"),
-              Item("experts.w1", P * I * a, True, "grouped_mm"),
-              Item("experts.w3", P * I * a, True, "grouped_mm"),
+              Item("experts.w1", P * I * a, True, "grouped_mm", 2 * P * D * I),
+              Item("experts.w3", P * I * a, True, "grouped_mm", 2 * P * D * I),
               Item("experts.silu", P * I * a, True, "silu"),
               Item("experts.prod", P * I * a, True, "mul"),
-              Item("experts.w2", P * D * a, False, "grouped_mm"),
-              Item("experts.y", N * D * a, True, "other"),
+              Item("experts.w2", P * D * a, False, "grouped_mm", 2 * P * I * D),
+              Item("experts.y", R * D * a, True, "other"),
               Item("combine.weights_index", N * (_F32 + _I64), True, "other")]
-    if P > N:
-        items.append(Item("experts.padded_row", N * _I64, True, "other"))  # where each row went, for the way back
+    if P > R:
+        items.append(Item("experts.padded_row", R * _I64, True, "other"))  # where each row went, for the way back
     if sh.ep > 1:
         # all-to-all outputs (tokens there and back) and the regrouping indices
-        items += [Item("ep.recv", N * D * a, False, "all_to_all"),
+        items += [Item("ep.recv", R * D * a, False, "all_to_all"),
                   Item("ep.back", N * D * a, False, "all_to_all"),
-                  Item("ep.regroup", 2 * N * _I64, True, "other")]
+                  Item("ep.regroup", 2 * R * _I64, True, "other")]
     if args.n_shared_experts:
         items += _swiglu("shared_experts", T, D, I * args.n_shared_experts, a, "mm")
     if aux_loss:
@@ -126,18 +148,68 @@ def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False, e
     return items
 
 
-def _unit_numel(args: ModelArgs) -> dict[str, int]:
-    """Parameter count of the pieces FSDP gathers as units (full, before any sharding)."""
-    D, H = args.dim, args.n_heads
-    q = D * H * args.qk_head_dim if not args.q_lora_rank else (
-        D * args.q_lora_rank + args.q_lora_rank + args.q_lora_rank * H * args.qk_head_dim)
-    attn = q + D * (args.kv_lora_rank + args.qk_rope_head_dim) + args.kv_lora_rank + \
-        args.kv_lora_rank * H * (args.qk_nope_head_dim + args.v_head_dim) + H * args.v_head_dim * D + 2 * D
-    shared = 3 * D * args.moe_inter_dim * args.n_shared_experts
-    return {"embedding": args.vocab_size * D, "head": args.vocab_size * D + D,
-            "dense_block": attn + 3 * D * args.inter_dim,
-            "moe_block": attn + shared + args.n_routed_experts * D,
-            "experts": 3 * args.n_routed_experts * D * args.moe_inter_dim}
+def _is_expert(name: str) -> bool:
+    """Whether parameter `name` is a routed expert's (split over EP, FSDP-sharded over what is left)."""
+    return ".moe.experts." in name
+
+
+_SHAPES: dict[tuple, list[tuple[str, tuple[int, ...]]]] = {}
+
+
+def param_shapes(args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, full shape) of every parameter of `DeepSeekV3Model(args)`, read from a meta-device build (once per
+    args): the model itself is the one source of its shapes."""
+    key = dataclasses.astuple(args)
+    if key not in _SHAPES:
+        import torch
+
+        from .model import DeepSeekV3Model
+
+        with torch.device("meta"):
+            model = DeepSeekV3Model(args)
+        _SHAPES[key] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    return _SHAPES[key]
+
+
+def local_numel(name: str, shape: tuple[int, ...], ep: int, shard: int) -> int:
+    """Elements of parameter `name` on the first rank of its FSDP group: experts split over `ep` ranks on dim 0 and
+    the rest FSDP-sharded on dim 0 over the `shard / ep` ranks left; other weights sharded over `shard` ranks.
+    FSDP2 pads dim 0 to a multiple of the group, so the first rank holds ceil(dim 0 / group) rows."""
+    rows, rest = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+    if _is_expert(name):
+        rows, shard = rows // ep, shard // ep
+    return -(-rows // shard) * rest
+
+
+def _unit_of(name: str) -> str:
+    """The pipeline unit a parameter belongs to: `layers.3` for `layers.3.attention.wq.weight`, else its first
+    component (`tok_embeddings`, `norm`, `output`, `mtp`)."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+_UNITS: dict[tuple, dict[str, list[tuple[str, tuple[int, ...]]]]] = {}
+_BLOCKS: dict[tuple, BlockMemory] = {}
+_LOCAL: dict[tuple, tuple[int, int]] = {}
+
+
+def _unit_local(args: ModelArgs, key: tuple, unit: str, ep: int, shard: int) -> tuple[int, int]:
+    """(elements, largest parameter's elements) of pipeline unit `unit` on the first rank of its FSDP group."""
+    cache_key = (key, unit, ep, shard)
+    if cache_key not in _LOCAL:
+        sizes = [local_numel(n, shape, ep, shard) for n, shape in _unit_params(args, key).get(unit, [])]
+        _LOCAL[cache_key] = (sum(sizes), max(sizes, default=0))
+    return _LOCAL[cache_key]
+
+
+def _unit_params(args: ModelArgs, key: tuple) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """`param_shapes` grouped by pipeline unit (`_unit_of`)."""
+    if key not in _UNITS:
+        units: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+        for name, shape in param_shapes(args):
+            units.setdefault(_unit_of(name), []).append((name, shape))
+        _UNITS[key] = units
+    return _UNITS[key]
 
 
 def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, selection: Fp8Selection,
@@ -147,7 +219,7 @@ def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, selection: Fp8Sele
     if selection.recipe == "none":
         return 0, 0
     extra = {"attention": 0, "ffn": 0}
-    N = sh.T * args.n_activated_experts
+    N = received_rows(args, sh) if moe else 0
     for fqn, gemms in block_gemms(args, moe).items():
         if not selection.selects(fqn):
             continue
@@ -160,8 +232,8 @@ def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, selection: Fp8Sele
     return extra["attention"], extra["ffn"]
 
 
-def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, units: dict[str, int], unit_bytes: dict[str, int],
-           shard: int, selection: Fp8Selection) -> BlockMemory:
+def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, params: list[tuple[str, tuple[int, ...]]],
+           gather_bytes: int, shard: int, selection: Fp8Selection) -> BlockMemory:
     T, a = sh.T, sh.act
     moe = layer >= args.n_dense_layers
     fp8_experts = moe and selection.recipe != "none" and selection.selects("moe.experts")
@@ -172,44 +244,68 @@ def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, units: dict[s
     attn_ws = 2 * sh.B * args.n_heads * sh.S * sh.S * _F32 if sdpa_path(sh) == "math" else \
         3 * T * args.n_heads * args.qk_head_dim * a
     hidden = args.moe_inter_dim * max(args.n_shared_experts, 1) if moe else args.inter_dim
-    ffn_ws = 3 * max(T * args.n_activated_experts * args.moe_inter_dim if moe else 0, T * hidden) * a
+    received = received_rows(args, sh) if moe else 0
+    ffn_ws = 3 * max(received * args.moe_inter_dim, T * hidden) * a
+    a2a = 0
     if moe and sh.ep > 1:
-        ffn_ws += 2 * T * args.n_activated_experts * args.dim * a  # all-to-all buffers of the gradients
+        sent = T * args.n_activated_experts
+        ffn_ws += (sent + received) * args.dim * a  # all-to-all buffers of the gradients, there and back
+        a2a = 2 * max(sent, received) * args.dim * a  # dispatch and combine
     fp8_attn, fp8_ffn = fp8_backward_extra(args, moe, sh, selection, align)
     attn_ws += fp8_attn
     ffn_ws += fp8_ffn
-    unit = unit_bytes["moe_block" if moe else "dense_block"] + (unit_bytes["experts"] if moe else 0)
-    local_numel = (units["moe_block"] + units["experts"] // sh.ep) // shard if moe else \
-        units["dense_block"] // shard
-    return BlockMemory(layer, items, ffn, attn_ws, ffn_ws, unit, local_numel * 4)
+    # FSDP gathers the block's dense weights whole and the experts' weights of this EP rank
+    unit = sum(math.prod(shape) // (sh.ep if _is_expert(n) else 1) for n, shape in params) * gather_bytes
+    local = sum(local_numel(n, shape, sh.ep, shard) for n, shape in params)
+    return BlockMemory(layer, items, ffn, attn_ws, ffn_ws, unit, local * 4, a2a)
 
 
 def stage_memory(args: ModelArgs, moe_cfg: MoESection, fp8_cfg, sh: Shape, names: list[str] | None,
                  gather_bytes: int, shard: int) -> StageMemory:
     """The memory of the model part holding the pipeline units `names` (None: the whole model), for one
     microbatch of shape `sh`, with the aux loss of `moe_cfg` and the FP8 recipe of `fp8_cfg`; FSDP gathers
-    parameters in `gather_bytes` per element over `shard` ranks."""
-    names = ["tok_embeddings", "norm", "output"] if names is None else names
-    layers = [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
-    # a part without blocks is planned with all of them (an over-estimate kept from the first version)
-    layers = layers or list(range(args.n_layers))
+    parameters in `gather_bytes` per element over `shard` ranks (the first rank of the group is planned)."""
+    key = dataclasses.astuple(args)
+    units = _unit_params(args, key)
+    owned = list(units) if names is None else [n for n in names if n in units]
+    if names is None:
+        names, layers = ["tok_embeddings", "norm", "output"], list(range(args.n_layers))
+    else:
+        layers = [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
     T, D, V, a = sh.T, args.dim, args.vocab_size, sh.act
-    units = _unit_numel(args)
-    # FSDP units this rank gathers: dense parts over the dense mesh, experts over what is left after EP
-    unit_bytes = {"embedding": units["embedding"] * gather_bytes, "head": units["head"] * gather_bytes,
-                  "dense_block": units["dense_block"] * gather_bytes, "moe_block": units["moe_block"] * gather_bytes,
-                  "experts": units["experts"] // sh.ep * gather_bytes}
     aux_loss = moe_cfg.aux_loss_coeff > 0
     selection = fp8_selection(fp8_cfg, MODULE_DEFAULTS)
     n_moe = sum(1 for i in layers if i >= args.n_dense_layers)
     rope_tables = 2 * args.max_seq_len * args.qk_rope_head_dim // 2 * _F32  # cos and sin
+
+    def of(*unit_names: str) -> list[tuple[str, tuple[int, ...]]]:
+        return [p for u in unit_names for p in units.get(u, [])]
+
+    def block(i: int) -> BlockMemory:
+        # blocks of one kind (dense or MoE) differ only in their index
+        moe = i >= args.n_dense_layers
+        block_key = (key, moe, sh, aux_loss, gather_bytes, shard, selection)
+        if block_key not in _BLOCKS:
+            if len(_BLOCKS) > 4096:
+                _BLOCKS.clear()
+            _BLOCKS[block_key] = _block(args, i, sh, aux_loss, of(f"layers.{i}"), gather_bytes, shard, selection)
+        return dataclasses.replace(_BLOCKS[block_key], layer=i)
+
+    def full(params) -> int:
+        return sum(math.prod(shape) for _, shape in params)
+
+    def local(*unit_names: str) -> int:
+        return sum(_unit_local(args, key, u, sh.ep, shard)[0] for u in unit_names)
+
+    head = of("norm", "output")
     return StageMemory(
-        blocks=[_block(args, i, sh, aux_loss, units, unit_bytes, shard, selection) for i in layers],
+        blocks=[block(i) for i in layers],
         first="tok_embeddings" in names, last="output" in names,
-        embedding_kept=T * _I64, embedding_unit_bytes=unit_bytes["embedding"],
+        embedding_kept=T * _I64, embedding_unit_bytes=full(of("tok_embeddings")) * gather_bytes,
         head_kept=3 * T * D * a + T * V * _F32,  # final norm, output input, log_softmax out
-        head_unit_bytes=unit_bytes["head"], head_grad_bytes=(units["head"] // shard) * 4,
+        head_unit_bytes=full(head) * gather_bytes, head_grad_bytes=local("norm", "output") * 4,
         logits=(T, V), hidden_bytes=T * D * a,
-        largest_local_param=max(V * D, args.n_routed_experts * D * args.moe_inter_dim // sh.ep) * 4 // shard,
+        largest_local_param=max(_unit_local(args, key, u, sh.ep, shard)[1] for u in owned or units) * 4,
         buffer_bytes=rope_tables + 3 * args.n_routed_experts * _F32 * n_moe,
-        ep_buffers=2 * T * args.n_activated_experts * D * a if sh.ep > 1 else 0)
+        ep_buffers=2 * T * args.n_activated_experts * D * a if sh.ep > 1 else 0,
+        param_numel=local(*owned), head_flops=2 * T * D * V)

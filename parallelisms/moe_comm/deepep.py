@@ -125,11 +125,7 @@ class BufferManager:
         if self._sized_for == (key, hidden_bytes):
             return self._buffer
         buffer_cls = deepep_cpu.Buffer if _uses_standin(group) else _deep_ep_buffer_class()
-        n = group.size()
-        nvl, rdma = 0, 0
-        for config in (buffer_cls.get_dispatch_config(n), buffer_cls.get_combine_config(n)):
-            nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, n))
-            rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, n))
+        nvl, rdma = buffer_size(buffer_cls, hidden_bytes, group.size())
         current = self._buffer
         if (current is not None and self._group_key == key and current.num_nvl_bytes >= nvl
                 and current.num_rdma_bytes >= rdma):
@@ -164,6 +160,20 @@ class BufferManager:
         if self._buffer is not None and getattr(self._buffer, "explicitly_destroy", False):
             self._buffer.destroy()
         self._buffer, self._group_key, self._nbytes, self._sized_for = None, None, 0, None
+
+
+def buffer_size(buffer_cls, hidden_bytes: int, n: int) -> tuple[int, int]:
+    """(NVL bytes, RDMA bytes) DeepEP recommends for `n` ranks: the max of its dispatch and combine configs'
+    size hints."""
+    nvl, rdma = 0, 0
+    for config in (buffer_cls.get_dispatch_config(n), buffer_cls.get_combine_config(n)):
+        nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, n))
+        rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, n))
+    return nvl, rdma
+
+
+#: RDMA bytes planned for an internode group when deep_ep is not installed to ask (DeepEP's own tests use 1e9)
+PLANNED_RDMA_BYTES = 10 ** 9
 
 
 def _deep_ep_buffer_class():
@@ -353,6 +363,21 @@ class DeepEPDispatcher(TokenDispatcher):
         """Live handles (0 at every step end) and the bytes of the DeepEP buffer (allocated outside PyTorch)."""
         return {"moe/live_handles": float(HANDLES.live_handles()),
                 "memory/deepep_buffer_GiB": BUFFERS.nbytes() / 2**30}
+
+    #: DeepEP reports ~150 of 160 GB/s NVLink and ~45 of 50 GB/s RDMA for its normal kernels
+    exchange_efficiency = 0.9
+
+    @classmethod
+    def planned_buffer_bytes(cls, hidden_bytes: int, ep: int) -> int:
+        """The buffer `BufferManager` would create: deep_ep's own size hints where it is installed; else the
+        stand-in's (which follow DeepEP's NVL formula) for the node's ranks, plus `PLANNED_RDMA_BYTES` when the group
+        spans nodes (more than 8 ranks)."""
+        if deepep_available()[0]:
+            return sum(buffer_size(_deep_ep_buffer_class(), hidden_bytes, ep))
+        local = min(ep, deepep_cpu._MAX_NVL_PEERS)
+        # the stand-in knows groups of 2, 4 and 8; other sizes are planned as the node's 8 (an upper bound)
+        nvl, _ = buffer_size(deepep_cpu.Buffer, hidden_bytes, local if local in (2, 4, 8) else 8)
+        return nvl + (PLANNED_RDMA_BYTES if ep > local else 0)
 
     @classmethod
     def config_problem(cls, parallel_dims, activation_checkpoint, compile) -> tuple[str, str, str] | None:

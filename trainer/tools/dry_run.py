@@ -55,7 +55,7 @@ def inspect_rank(cfg, world_size: int, rank: int) -> dict:
         meshes = build_meshes(dims, "cpu")
         built = build_model_parts(spec, args, cfg, dims, meshes)
         parts = built.parts
-        stages = ["all"] if built.stage_plan is None else [" ".join(_compact(names)) for names in built.stage_names()]
+        stages = ["all"] if built.stage_plan is None else [" ".join(compact(names)) for names in built.stage_names()]
         # parameters under their state_dict keys: the names checkpoints use, without the wrappers' prefixes
         named = [(k, t) for part in parts for k, t in part.state_dict(keep_vars=True).items()
                  if isinstance(t, torch.nn.Parameter)]
@@ -78,7 +78,7 @@ def inspect_rank(cfg, world_size: int, rank: int) -> dict:
         dist.destroy_process_group()
 
 
-def _compact(names: list[str]) -> list[str]:
+def compact(names: list[str]) -> list[str]:
     """Numbered names of one prefix as one range, where the first of them stands, for printing:
     `emb blocks.3 blocks.4 blocks.5 head` -> `emb blocks.3-5 head`."""
     out: list[list[str]] = []  # [name] or [prefix, first index, last index]

@@ -1,9 +1,10 @@
 """Memory plan: predict the per-rank peak of a training step before allocating anything.
 
-`python -m trainer.memory_plan --config X.toml --ngpu N [--json] [--device cpu|cuda] [overrides...]`
-(`--job.config_file X.toml` works too). For one rank per pipeline stage, `trainer.tools.dry_run` joins a fake process
-group, builds the meshes, the pipeline split, EP and FSDP on a meta-device model and counts the rank's local
-parameters; this module adds an analytic model of the step on top of those counts:
+`python -m trainer.memory_plan --config X.toml --ngpu N [--json] [--device cpu|cuda] [--routing-skew F]
+[overrides...]` (`--job.config_file X.toml` works too). Analytic, for the first rank of every pipeline stage: the
+pipeline split is the trainer's own (`plan_stages`), the rank's parameter shares come from the model's parameter
+shapes under EP and FSDP's dim-0 sharding (a test holds them equal to the dry run's counts on the meta device),
+and on top of those:
 
 * state: parameters (fp32 master, local shards), gradients (same), AdamW state (2x parameters);
 * activations held after forward under the activation-checkpointing policy, from the tensors each block creates
@@ -30,10 +31,10 @@ from __future__ import annotations
 import json
 import sys
 
-from parallelisms.moe_comm.registry import op_table
+from parallelisms.moe_comm.registry import COMM_BACKENDS, get_comm_backend, op_table
 from parallelisms.pipeline import plan_stages
 from core.config import ConfigError, run_with_config_errors
-from trainer.tools.dry_run import report
+from trainer.tools.dry_run import compact
 from trainer.job_config import load_config, model_job, validate_job
 from core.loss import chunk_rows
 from core.memory_types import Item, Shape
@@ -42,6 +43,25 @@ from trainer.registry import get_model_spec
 __all__ = ["plan", "main"]
 
 _F32 = 4
+#: the op-table names of the MoE token exchange (torch's all_to_all and every comm backend's own ops): a selective
+#: policy saving one of them does not run the block's exchanges again in its recompute
+_COMM_OPS = frozenset({"all_to_all"}.union(*(get_comm_backend(n).ac_ops for n in COMM_BACKENDS)))
+
+
+_SUMS: dict[tuple, tuple] = {}
+"""(kept, recomputed, recompute FLOPs) by (item list, mode, save_ops): blocks of one kind share their item list."""
+
+
+def _block_sums(items: list[Item], mode: str, save_ops: frozenset[str]) -> tuple[int, int, int, int]:
+    """(kept, recomputed, recompute FLOPs, forward FLOPs) of one block's items under `mode`."""
+    key = (id(items), mode, save_ops)
+    if key not in _SUMS:
+        if len(_SUMS) > 65536:
+            _SUMS.clear()
+        # the item list kept alive with the entry, so that its id is not reused while the entry exists
+        _SUMS[key] = (items, *_held(items, mode, save_ops), _recompute_flops(items, mode, save_ops),
+                      sum(i.flops for i in items))
+    return _SUMS[key][1:]
 
 
 def _held(items: list[Item], mode: str, save_ops: set[str]) -> tuple[int, int]:
@@ -79,50 +99,100 @@ def _optimizer_transient(cfg, param_bytes: int, largest_local_param: int) -> int
     return param_bytes
 
 
-def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
-    """The memory plan of one rank, from its dry-run row (`trainer.tools.dry_run.inspect_rank`)."""
-    dims = validate_job(cfg, world_size)
+_STAGES: dict[tuple, tuple] = {}
+"""Stage memories by (args, sections, shape, names, gathering): the planner asks for the same ones many times."""
+
+
+def _stage_memory(spec, args, cfg, sh: Shape, names: list[str] | None, pbytes: int, shard: int):
+    fp8 = cfg.fp8
+    key = (spec.name, id(args), cfg.moe.aux_loss_coeff > 0, fp8.recipe, tuple(fp8.modules),
+           tuple(fp8.exclude_modules), sh, None if names is None else tuple(names), pbytes, shard)
+    if key not in _STAGES:
+        if len(_STAGES) > 4096:
+            _STAGES.clear()
+        # args kept alive with the entry, so that its id is not reused while the entry exists
+        _STAGES[key] = (args, spec.tools.memory_plan(args, cfg.moe, cfg.fp8, sh, names, pbytes, shard))
+    return _STAGES[key][1]
+
+
+_SPLITS: dict[tuple, tuple] = {}
+
+
+def _stage_names(spec, args, dims, pp_rank: int, par) -> tuple[list[str], list[str]]:
+    """(the pipeline units of rank `pp_rank`'s stages, each stage's units compacted for printing)."""
+    key = (spec.name, id(args), dims.pp, pp_rank, par.pipeline_parallel_schedule,
+           par.pipeline_parallel_layers_per_stage, tuple(par.pipeline_parallel_module_fqns_per_stage))
+    if key not in _SPLITS:
+        if len(_SPLITS) > 65536:
+            _SPLITS.clear()
+        stage_plan = plan_stages(spec.pipeline.units(args), dims.pp, pp_rank, par)
+        names = [name for s in stage_plan.stage_ids for name in stage_plan.names[s]]
+        _SPLITS[key] = (args, names, [" ".join(compact(stage_plan.names[s])) for s in stage_plan.stage_ids])
+    return _SPLITS[key][1:]
+
+
+def _recompute_flops(items: list[Item], mode: str, save_ops: set[str]) -> int:
+    """Forward FLOPs the backward runs again: the whole block (full) or the ops the policy does not save (op)."""
+    if mode == "none":
+        return 0
+    if mode == "full":
+        return sum(i.flops for i in items)
+    return sum(i.flops for i in items if i.op not in save_ops)
+
+
+def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.0, args=None) -> dict:
+    """The memory plan of the first rank of pipeline stage `pp_rank` (ranks of one stage hold equal shares), for
+    the resolved degrees `dims` (`validate_job`), expert rows at `skew` times the balanced mean; `args`: the model
+    args, when the caller has built them. Analytic: no process group, no model (its parameter shapes aside)."""
     spec = get_model_spec(cfg.model.name)
     if spec.tools.memory_plan is None:
         raise ConfigError("model.name", f"model {cfg.model.name!r} has no memory plan")
-    args = spec.build_args(model_job(cfg))
+    args = spec.build_args(model_job(cfg)) if args is None else args
     bf16 = cfg.training.dtype == "bfloat16"
     a = 2 if bf16 else 4
     par = cfg.parallelism
-    pp_rank = dry["coords"].get("pp", 0)
-    names = None  # the whole model
-    if dims.pp_enabled:
-        stage_plan = plan_stages(spec.pipeline.units(args), dims.pp, pp_rank, par)
-        names = [name for s in stage_plan.stage_ids for name in stage_plan.names[s]]
+    names, stages = _stage_names(spec, args, dims, pp_rank, par) if dims.pp_enabled else (None, ["all"])
     B = par.pipeline_parallel_microbatch_size if dims.pp_enabled else cfg.training.local_batch_size
-    sh = Shape(B, cfg.training.seq_len, a, device, dims.ep)
+    sh = Shape(B, cfg.training.seq_len, a, device, dims.ep, skew if dims.ep > 1 else 1.0)
     shard = dims.dp_shard if dims.dp_enabled else 1
     pbytes = 2 if bf16 and dims.dp_enabled else 4  # FSDP gathers in param_dtype
-    stage = spec.tools.memory_plan(args, cfg.moe, cfg.fp8, sh, names, pbytes, shard)
+    stage = _stage_memory(spec, args, cfg, sh, names, pbytes, shard)
     first, last = stage.first, stage.last
     layer_ids = [b.layer for b in stage.blocks]
     ac = cfg.activation_checkpoint
-    save_ops = set(op_table().save_ops(ac.save_ops)) | {"d2h_copy"}
+    save_ops = frozenset(op_table().save_ops(ac.save_ops)) | {"d2h_copy"}
     modes = _block_modes(cfg, layer_ids)
     notes = []
     if ac.recompute_modules:
         notes.append("recompute_modules is not modelled: estimated as mode none (an upper bound)")
         modes = {i: "none" for i in layer_ids}
+    if sh.skew != 1.0:
+        notes.append(f"routing skew {sh.skew:g}: this EP rank's experts receive {sh.skew:g} x the mean rows")
 
-    params = dry["param_bytes"]
+    params = stage.param_numel * 4
     # per-block activations and backward working sets
     blocks = []
+    recompute = forward_flops = 0
     for b in stage.blocks:
-        kept, recomputed = _held(b.items, modes[b.layer], save_ops)
+        kept, recomputed, flops, forward = _block_sums(b.items, modes[b.layer], save_ops)
+        recompute += flops
+        forward_flops += forward
         blocks.append(dict(layer=b.layer, mode=modes[b.layer], kept=kept, recomputed=recomputed,
                            ffn_saved=b.ffn_saved, attn_ws=b.attn_ws, ffn_ws=b.ffn_ws, unit=b.unit_bytes,
                            grad=b.grad_bytes))
-
     n_micro = cfg.training.local_batch_size // B
     in_flight = 1
     if dims.pp_enabled:
-        in_flight = n_micro if par.pipeline_parallel_schedule == "GPipe" else min(n_micro, dims.pp - pp_rank)
-        notes.append(f"pipeline: {in_flight} microbatch(es) in flight assumed (1F1B warm-up depth)")
+        schedule = par.pipeline_parallel_schedule
+        if schedule == "GPipe":
+            in_flight, why = n_micro, "GPipe: every forward before any backward"
+        elif schedule in ("ZBVZeroBubble", "DualPipeV"):
+            # a V rank holds a first-half and a second-half stage and defers weight gradients: up to pp + 1
+            # microbatches' activations of its stages (DualPipe's bound)
+            in_flight, why = min(n_micro, dims.pp + 1), "V schedule: pp + 1"
+        else:
+            in_flight, why = min(n_micro, dims.pp - pp_rank), "1F1B warm-up depth"
+        notes.append(f"pipeline: {in_flight} microbatch(es) in flight assumed ({why})")
 
     head_kept = stage.head_kept if last else 0
     emb_kept = stage.embedding_kept if first else 0
@@ -140,13 +210,23 @@ def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
     # FSDP, 3 units of the block in backward: while its backward runs, its parameters gathered again, the
     # previous unit prefetched and its unsharded gradients filling up; the reduce-scatter's copy of those
     # gradients comes after the block's backward, when its parameters and working set are freed. Forward holds 2
-    # (prefetch).
-    fsdp = dims.dp_enabled and shard > 1
-    largest_unit = max([b["unit"] for b in blocks] + ([stage.head_unit_bytes] if last else []) +
-                       ([stage.embedding_unit_bytes] if first else []))
+    # (prefetch). Without resharding after forward (`fsdp_reshard_after_forward`, the default with a pipeline)
+    # every unit stays gathered from its forward to its backward.
+    # FSDP wraps the model whenever there is data parallelism: with a shard degree of 1 (replicas only) it still
+    # gathers into separate unsharded parameters and gradients
+    fsdp = dims.dp_enabled
+    reshard = par.fsdp_reshard_after_forward == "always" or (par.fsdp_reshard_after_forward == "default"
+                                                             and not dims.pp_enabled)
+    keep_gathered = fsdp and not reshard
+    emb_unit = stage.embedding_unit_bytes if first else 0
+    head_unit = stage.head_unit_bytes if last else 0
+    largest_unit = max([b["unit"] for b in blocks] + [head_unit, emb_unit])
+    all_units = sum(b["unit"] for b in blocks) + head_unit + emb_unit
     fsdp_factor = 3 if fsdp else 0
     last_block_unit = blocks[-1]["unit"] if blocks else 0
-    fsdp_loss = (3 * stage.head_unit_bytes + last_block_unit) if fsdp and last else 0
+    fsdp_loss = 0
+    if fsdp and last:
+        fsdp_loss = all_units + 2 * head_unit if keep_gathered else 3 * head_unit + last_block_unit
 
     # the loss: logits stay referenced while their fp32 softmax gradient and the nll gradient are built; chunked
     # (large logits, core/loss.py), the logits and their gradient plus one chunk's fp32 work and gradient
@@ -161,20 +241,41 @@ def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
     # every in-flight microbatch's activations are alive when the last one's backward starts
     phases = {"loss_backward": activations + loss_transient + head_grad + fsdp_loss if last else 0,
               # the autocast cache holds every weight's copy until the forward ends
-              "forward_end": activations + unsaved_copies + (2 * largest_unit if fsdp else 0)}
+              "forward_end": activations + unsaved_copies + (
+                  all_units if keep_gathered else 2 * largest_unit if fsdp else 0)}
     grads_done = head_grad
     below = activations - head_kept  # the head's saved tensors are freed by the loss backward
+    gathered_below = all_units - head_unit  # units still gathered below the block (without resharding)
     for b in reversed(blocks):
         below -= b["kept"]
+        gathered_below -= b["unit"]
+        # its parameters and unsharded gradients, and every unit below still gathered
+        fsdp_here = 2 * b["unit"] + gathered_below if keep_gathered else fsdp_factor * b["unit"]
         # + incoming and outgoing hidden-state gradients
-        common = below + grads_done + b["grad"] + fsdp_factor * b["unit"] + 2 * stage.hidden_bytes
+        common = below + grads_done + b["grad"] + fsdp_here + 2 * stage.hidden_bytes
         block = b["kept"] + b["recomputed"]
         ffn_phase = common + block + b["ffn_ws"]
         attn_phase = common + block - b["ffn_saved"] + b["attn_ws"]
         phases[f"backward_layer_{b['layer']}"] = max(ffn_phase, attn_phase)
         grads_done += b["grad"]
-    grads = dry["grad_bytes"]
-    opt_state = dry["optimizer_bytes"]
+    if fsdp and dims.pp_enabled and n_micro > 1:
+        # torch's pipeline stages run every backward but the last microbatch's without gradient sync and without
+        # resharding after backward, and reduce-scatter once all are done: from the first backward on, every unit
+        # stays gathered and its unsharded gradients accumulate. The last microbatch's backward then walks with one
+        # microbatch's activations left, and the reduce-scatter holds the unsharded and the sharded gradients.
+        unsharded = all_units // pbytes * _F32
+        below = sum(b["kept"] for b in blocks) + emb_kept
+        for b in reversed(blocks):
+            below -= b["kept"]
+            common = below + all_units + unsharded + 2 * stage.hidden_bytes
+            block = b["kept"] + b["recomputed"]
+            phases[f"backward_last_microbatch_layer_{b['layer']}"] = max(
+                common + block + b["ffn_ws"], common + block - b["ffn_saved"] + b["attn_ws"])
+        # a rank's stages reduce one after the other: the first holds its sharded gradients beside everything
+        phases["reduce_scatter"] = all_units + unsharded + params // len(stages)
+        notes.append("pipeline with FSDP: gradients reduce-scattered after the last microbatch (units stay gathered)")
+    grads = params
+    opt_state = 2 * params
     opt_transient = _optimizer_transient(cfg, params, stage.largest_local_param)
     fwd_bwd_peak = max(phases.values())
     optimizer_phase = grads + opt_transient
@@ -185,10 +286,26 @@ def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
                   "fsdp_backward": fsdp_factor * max([b["unit"] for b in blocks] + [0]),
                   "loss_logits_softmax": loss_transient, "ep_buffers": stage.ep_buffers,
                   "backward_working_set": phases[worst] - activations}
+    # what the step-time model needs (`trainer.tools.step_time`), per microbatch of this rank's stages
+    forward_flops += stage.head_flops if last else 0
+    units = [b.unit_bytes for b in stage.blocks] + ([stage.head_unit_bytes] if last else []) + \
+        ([stage.embedding_unit_bytes] if first else [])
+    backend = get_comm_backend(par.expert_parallel_comm_backend)
+    hidden = stage.hidden_bytes // (sh.T * a)
+    comm_buffers = backend.planned_buffer_bytes(hidden * max(a, 2), dims.ep) if dims.ep_enabled else 0
+    work = {"forward_flops": forward_flops, "recompute_flops": recompute, "microbatches": n_micro,
+            "stages_per_rank": len(stages), "a2a_bytes": sum(b.a2a_bytes for b in stage.blocks),
+            "a2a_recomputed_bytes": sum(b.a2a_bytes for b in stage.blocks if modes[b.layer] == "full" or (
+                modes[b.layer] == "op" and not save_ops & _COMM_OPS)),
+            "fsdp_unit_bytes": units if fsdp else [], "unit_element_bytes": pbytes, "hidden_bytes": stage.hidden_bytes,
+            "grad_bytes": grads, "param_count": stage.param_numel, "token_bytes": hidden * max(a, 2)}
     return {
-        "rank": dry["rank"], "coords": dry["coords"], "stages": dry["stages"], "layers": layer_ids,
+        "rank": pp_rank * (dims.world_size // dims.pp), "coords": {"pp": pp_rank, "dp_replicate": 0, "efsdp": 0,
+                                                                   "ep": 0},
+        "stages": stages, "layers": layer_ids,
         "ac_modes": sorted(set(modes.values())), "microbatch": [B, sh.S], "microbatches_in_flight": in_flight,
-        "params": dry["params"], "parameter_bytes": params, "gradient_bytes": grads,
+        "routing_skew": sh.skew, "comm_buffer_bytes": comm_buffers, "work": work,
+        "params": stage.param_numel, "parameter_bytes": params, "gradient_bytes": grads,
         "optimizer_state_bytes": opt_state, "buffer_bytes": buffers, "activation_bytes": activations,
         "transients": transients,
         "largest_transient": max(transients, key=transients.get),
@@ -199,11 +316,13 @@ def plan_rank(cfg, world_size: int, dry: dict, device: str = "cpu") -> dict:
     }
 
 
-def plan(cfg, world_size: int, device: str = "cpu") -> dict:
+def plan(cfg, world_size: int, device: str = "cpu", skew: float = 1.0) -> dict:
     """The memory plan of every representative rank (the first rank of each pipeline stage)."""
-    ranks = [plan_rank(cfg, world_size, row, device) for row in report(cfg, world_size)]
+    dims = validate_job(cfg, world_size)
+    args = get_model_spec(cfg.model.name).build_args(model_job(cfg))
+    ranks = [plan_rank(cfg, dims, p, device, skew, args) for p in range(dims.pp)]
     return {"model": f"{cfg.model.name}/{cfg.model.flavor}", "world_size": world_size, "device": device,
-            "activation_checkpoint": cfg.activation_checkpoint.mode, "ranks": ranks}
+            "activation_checkpoint": cfg.activation_checkpoint.mode, "routing_skew": skew, "ranks": ranks}
 
 
 def _print(result: dict) -> None:
@@ -227,7 +346,7 @@ def main(argv: list[str]) -> None:
     as_json = "--json" in argv
     argv = [x for x in argv if x != "--json"]
     opts = {}
-    for flag in ("--ngpu", "--device", "--config"):
+    for flag in ("--ngpu", "--device", "--config", "--routing-skew"):
         if flag in argv:
             k = argv.index(flag)
             if k + 1 >= len(argv):
@@ -236,13 +355,13 @@ def main(argv: list[str]) -> None:
             del argv[k:k + 2]
     if "--ngpu" not in opts:
         raise SystemExit("usage: python -m trainer.memory_plan --config X.toml --ngpu N [--json] "
-                         "[--device cpu|cuda] [--section.key value ...]")
+                         "[--device cpu|cuda] [--routing-skew F] [--section.key value ...]")
     if "--config" in opts:
         argv = ["--job.config_file", opts["--config"]] + argv
     device = opts.get("--device", "cpu")
     if device not in ("cpu", "cuda"):
         raise SystemExit("--device must be cpu or cuda")
-    result = plan(load_config(argv), int(opts["--ngpu"]), device)
+    result = plan(load_config(argv), int(opts["--ngpu"]), device, float(opts.get("--routing-skew", 1.0)))
     if as_json:
         print(json.dumps(result))
     else:

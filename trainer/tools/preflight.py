@@ -25,7 +25,10 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--world-size"]:
         world_size, argv = int(argv[1]), argv[2:]
     cfg = load_config(argv)
-    prepare(cfg, world_size, rank=0)
+    prep = prepare(cfg, world_size, rank=0)
+    if prep.auto_layout is not None:
+        print(prep.auto_layout)
+    cfg = prep.cfg
     if cfg.job.print_config:
         print(config_to_toml(cfg), end="")
         sys.exit(NOTHING_TO_LAUNCH)

@@ -1,0 +1,197 @@
+"""The layout planner (`python -m trainer.plan`), its step-time model, `parallelism.auto` and the routing skew: bad
+input, the JSON fields, every listed layout accepted by the trainer, the analytic parameter shares against the dry
+run, predicted peaks against measured ones (balanced and skewed routing), and an auto-chosen launch."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import plan_check
+from benchmarks.memory_plan_check import BASE
+from core.config import ConfigError
+from parallelisms.parallel_dims import ParallelDims
+from tests.dist_utils import torchrun_json
+from trainer.job_config import load_config, validate_job
+from trainer.prepare import prepare
+from trainer.tools.dry_run import report
+from trainer.tools.memory_plan import plan, plan_rank
+from trainer.tools.plan import Layout, plan_layouts
+from trainer.tools.step_time import Hardware, bubble_fraction, step_time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(REPO, "train_configs")
+DEBUG = ["--job.config_file", os.path.join(CONFIGS, "debug_model.toml")]
+GiB = 2 ** 30
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.plan", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--ngpu", "0", "--device-memory", "80"], "--ngpu"),
+    (["--ngpu", "8", "--device-memory", "abc"], "--device-memory"),
+    (["--ngpu", "8", "--device-memory", "80", "--model.flavor", "nosuch"], "model.flavor"),
+    (["--ngpu", "8", "--device-memory", "80", "--hw.warp_speed", "9"], "--hw.warp_speed"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, key):
+    r = _cli(*args, *DEBUG)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and key in lines[0] and "Traceback" not in lines[0], lines
+
+
+def test_16b_on_8_gpus_json_lists_only_layouts_the_trainer_accepts():
+    """The JSON object's fields; fitting layouts first, by predicted throughput; every listed layout passes the
+    trainer's checks when applied to the config; the refused ones are summarised in lines naming the reason."""
+    cfg_args = ["--job.config_file", os.path.join(CONFIGS, "deepseek_v3_16b.toml")]
+    r = _cli("--ngpu", "8", "--device-memory", "80", "--json", *cfg_args)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    layouts = result["layouts"]
+    assert layouts and result["rejected"]
+    for row in layouts:
+        for key in ("pp", "pp_schedule", "dp_replicate", "dp_shard", "ep", "ac", "fp8", "predicted_peak_gib",
+                    "predicted_step_s", "fits"):
+            assert key in row
+        assert row["pp"] * row["dp_replicate"] * row["dp_shard"] == 8
+        assert row["fits"] == (row["predicted_peak_gib"] <= result["usable_gib"])
+    fits = [row for row in layouts if row["fits"]]
+    assert fits and layouts[:len(fits)] == fits
+    speeds = [row["tokens_per_s_per_gpu"] for row in fits]
+    assert speeds == sorted(speeds, reverse=True)
+    cfg = load_config(cfg_args)
+    for row in layouts:
+        layout = Layout(*(row[k] for k in ("pp", "pp_schedule", "dp_replicate", "dp_shard", "ep", "backend",
+                                           "reshard", "ac", "fp8")))
+        validate_job(layout.apply(cfg), 8)
+    assert any("cannot be combined with the ZBVZeroBubble schedule" in line for line in result["rejected"])
+
+
+def test_671b_on_512_gpus_plans_every_stage():
+    """Every pipeline stage is planned (the worst one decides), pp=1 cannot hold a 16 x 4096 local batch on 80 GiB,
+    and the fitting layouts leave headroom."""
+    cfg = load_config(["--job.config_file", os.path.join(CONFIGS, "deepseek_v3_671b.toml")])
+    result = plan_layouts(cfg, 512, 80.0)
+    fits = [row for row in result["layouts"] if row["fits"]]
+    assert fits and all(row["headroom_gib"] >= 0 for row in fits)
+    assert all(row["pp"] > 1 for row in fits)
+    assert any(line.startswith("pp=1 ep=") and "smallest peak" in line for line in result["rejected"])
+    assert any("does not divide the 256 routed experts" in line for line in result["rejected"])
+
+
+@pytest.mark.parametrize("world, extra", [
+    (4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+         "--parallelism.expert_parallel_degree", "2"]),
+    (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.expert_parallel_degree", "2"]),
+    (8, ["--parallelism.expert_parallel_degree", "4"]),
+    (8, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+         "--activation_checkpoint.mode", "none", "--parallelism.expert_parallel_degree", "2"]),
+])
+def test_analytic_parameter_shares_match_the_dry_run(world, extra):
+    """The plan counts each stage's local parameters from the model's shapes under EP and FSDP's padded dim-0
+    sharding; the dry run counts them on the meta-device model the trainer builds."""
+    cfg = load_config(DEBUG + extra)
+    assert [r["params"] for r in plan(cfg, world)["ranks"]] == [d["params"] for d in report(cfg, world)]
+
+
+def test_bubble_fractions():
+    assert bubble_fraction(None, 1, 8, 1) == 0
+    assert bubble_fraction("1F1B", 4, 8, 1) == pytest.approx(3 / 8)
+    assert bubble_fraction("GPipe", 4, 8, 1) == pytest.approx(3 / 8)
+    assert bubble_fraction("Interleaved1F1B", 4, 8, 2) == pytest.approx(3 / 16)
+    assert bubble_fraction("ZBVZeroBubble", 4, 8, 2) == pytest.approx(3 / 48)
+    assert bubble_fraction("DualPipeV", 4, 8, 2) == pytest.approx(2 / 24)
+
+
+def test_step_time_parts_by_hand():
+    """One layout's parts computed by hand from the documented formulas (docs/memory.md, "Layout planner")."""
+    hw = Hardware(peak_tflops=100.0, efficiency=0.5, nvlink_gbps=100.0, network_gbps=10.0, hbm_gbps=1000.0,
+                  gpus_per_node=4, collective_efficiency=1.0, exchange_efficiency=0.5)
+    dims = ParallelDims(dp_replicate=2, dp_shard=4, ep=2, pp=2, world_size=16)
+    work = {"microbatches": 4, "forward_flops": 1e12, "recompute_flops": 1e12, "stages_per_rank": 1,
+            "fsdp_unit_bytes": [2e9, 1e9], "unit_element_bytes": 2, "grad_bytes": 1e9, "a2a_bytes": 1e8,
+            "a2a_recomputed_bytes": 1e8, "hidden_bytes": 1e7, "param_count": 1e9}
+    t = step_time(dims, "1F1B", False, 1, work, 0.0, "alltoall", hw)
+    compute = 4 * (3e12 + 1e12) / 50e12
+    assert t["compute_s"] == pytest.approx(compute)
+    assert t["bubble_s"] == pytest.approx(compute * 1 / 4)
+    # shard group of 4 within a node of 4: NVLink; one gather per microbatch (no resharding) + fp32 gradients
+    fsdp = 4 * (3e9 + 3e9 / 2 * 4) * 3 / 4 / 100e9
+    assert t["fsdp_s"] == pytest.approx(fsdp)
+    # ep 2 inside the node: forward, backward and the replay, half of it leaves the rank
+    assert t["ep_s"] == pytest.approx(4 * (2e8 + 1e8) / 2 / 100e9 / 0.5)
+    # pipeline neighbours 8 ranks apart: over the network
+    assert t["pp_s"] == pytest.approx(4 * 2 * 1e7 / 10e9)
+    # replicas 4 ranks apart, 2 of them: across nodes
+    assert t["hsdp_s"] == pytest.approx(2 * 1 / 2 * 1e9 / 10e9)
+    assert t["optimizer_s"] == pytest.approx(28 * 1e9 / 1000e9)
+    assert t["step_s"] == pytest.approx(max(compute * 1.25, fsdp) + 2e9 * 3 / 4 / 100e9 + t["ep_s"] + t["pp_s"]
+                                        + t["hsdp_s"] + t["optimizer_s"])
+
+
+def test_auto_picks_a_layout_keeping_explicit_keys():
+    """`parallelism.auto`: a layout for the world size, the explicitly set EP degree kept, the chosen layout in one
+    line; a memory nothing fits gets one error naming the smallest peak."""
+    cfg = load_config(DEBUG + ["--parallelism.auto", "true", "--parallelism.expert_parallel_degree", "2",
+                               "--parallelism.auto_device_memory_gib", "4"])
+    prep = prepare(cfg, 4, 0)
+    par = prep.cfg.parallelism
+    assert par.expert_parallel_degree == 2 and not par.auto
+    assert par.pipeline_parallel_degree * par.data_parallel_replicate_degree * prep.dims.dp_shard == 4
+    assert prep.auto_layout.startswith("parallelism.auto: ") and "ep=2" in prep.auto_layout
+    tiny = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, auto_device_memory_gib=0.01))
+    with pytest.raises(ConfigError, match="smallest peak"):
+        prepare(tiny, 4, 0)
+
+
+@pytest.mark.slow
+def test_auto_launch_trains_the_chosen_layout(tmp_path):
+    env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1")
+    r = subprocess.run(["./run_train.sh", "--parallelism.auto", "true", "--training.steps", "2",
+                        "--training.seq_len", "128", "--validation.enable", "false", "--metrics.enable_tensorboard",
+                        "false", "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert out.count("parallelism.auto: ") >= 1 and "step 2" in out.lower().replace("step:", "step")
+
+
+def _peak(history: list[dict]) -> float:
+    """The worst rank's peak over all steps, in bytes (rank 0's cross-rank maximum)."""
+    return max(h["memory/peak_allocated_GiB/max"] for h in history) * GiB
+
+
+@pytest.mark.slow
+def test_skewed_routing_stays_between_the_balanced_and_the_skewed_prediction(tmp_path):
+    """A router biased towards the 4 experts of EP rank 0 (2 EP ranks, top-3 of 8 experts) sends it every row:
+    a skew of 2. The worst rank's measured peak is above the balanced plan and under the skewed one."""
+    args = BASE + ["--training.local_batch_size", "8", "--training.seq_len", "256", "--training.steps", "3",
+                   "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "none",
+                   "--moe.load_balance_coeff", "0", "--job.dump_folder", str(tmp_path)]
+    jobs = {"skewed": {"args": args, "favoured_experts": [0, 1, 2, 3], "bias": 100.0}}
+    out = torchrun_json(2, os.path.join(REPO, "tests", "skew_worker.py"), jobs, tmp_path)
+    history = out["skewed"]
+    skews = [v for h in history for k, v in h.items() if k.endswith("ep_rank_max_over_mean")]
+    assert skews and min(skews) == pytest.approx(2.0)
+    cfg = load_config(args)
+    dims = validate_job(cfg, 2)
+    balanced = plan_rank(cfg, dims, 0, "cpu", 1.0)["predicted_peak_bytes"]
+    skewed = plan_rank(cfg, dims, 0, "cpu", 2.0)["predicted_peak_bytes"]
+    measured = _peak(history)
+    assert balanced < measured < skewed, (balanced, measured, skewed)
+
+
+@pytest.mark.slow
+def test_listed_layouts_within_10_percent_of_measured(capsys):
+    """A sample of the layouts the planner lists for the debug model on 4 ranks (pipelines, HSDP, EP with both
+    backends, every AC mode): measured worst-rank peak within 10% of the prediction (all of them:
+    benchmarks/plan_check.py)."""
+    rows = plan_check.check(4, 4, batch=2, seq=256, steps=3, skew=1.0)
+    assert len(rows) == 4
+    assert all(r["within_10pct"] for r in rows), rows
