@@ -4,8 +4,8 @@ planner's prediction for the worst rank.
 
 `.venv/bin/python benchmarks/plan_check.py [--ngpu 4] [--sample K] [--steps 3] [--batch 2] [--seq 256]
 [--routing-skew 1]` prints one JSON object per layout, then a summary object; exits 1 when a layout is outside 10%.
-`--sample K` measures K layouts spread over the planner's list (the default measures all of them). All layouts of
-one world size train in one torchrun launch (`benchmarks/memory_plan_check.py` is the worker).
+`--sample K` measures K layouts spread over the planner's list (the default measures all of them). The layouts
+train in torchrun launches of `CHUNK` jobs each (`benchmarks/memory_plan_check.py` is the worker).
 
 The predicted peak compared is the allocator's (what the exact tracker measures); the comm backend's own buffers
 (DeepEP's, outside PyTorch's allocator on GPUs) are reported beside it.
@@ -26,6 +26,7 @@ from benchmarks.memory_plan_check import BASE, measure_torchrun  # noqa: E402
 
 GiB = 2 ** 30
 TOLERANCE = 0.10
+CHUNK = 12  # layouts per torchrun launch: rows come out as each launch ends, well within its timeout
 
 
 def planned(ngpu: int, batch: int, seq: int, steps: int, skew: float) -> tuple[list[dict], list[str]]:
@@ -44,6 +45,20 @@ def layout_args(row: dict) -> list[str]:
     return [x for key, value in row["settings"].items() for x in (f"--{key}", str(value))]
 
 
+def spread(rows: list[dict]) -> list[dict]:
+    """All rows, reordered so that any prefix is spread over the whole list (the planner's order groups alike
+    layouts): a run cut short still measures every kind."""
+    order, seen = [], set()
+    stride = len(rows)
+    while stride >= 1:
+        for i in range(0, len(rows), stride):
+            if i not in seen:
+                seen.add(i)
+                order.append(i)
+        stride //= 2
+    return [rows[i] for i in order]
+
+
 def sample(rows: list[dict], k: int) -> list[dict]:
     """`k` rows spread evenly over the list (first and last included)."""
     if k >= len(rows):
@@ -55,15 +70,17 @@ def sample(rows: list[dict], k: int) -> list[dict]:
 def check(ngpu: int, k: int | None, batch: int, seq: int, steps: int, skew: float) -> list[dict]:
     """Measure the listed (or `k` sampled) layouts of `ngpu` ranks; print and return one row per layout."""
     rows, shared = planned(ngpu, batch, seq, steps, skew)
-    rows = rows if k is None else sample(rows, k)
+    rows = spread(rows) if k is None else sample(rows, k)
     out = []
-    with tempfile.TemporaryDirectory() as tmp:
-        jobs = {f"l{i}": shared[len(BASE):] + layout_args(r) for i, r in enumerate(rows)}
-        t0 = time.perf_counter()
-        measured = measure_torchrun(ngpu, jobs, tmp)
-        wall = time.perf_counter() - t0
-        for i, r in enumerate(rows):
-            m = measured[f"l{i}"]
+    t0 = time.perf_counter()
+    measured: dict[str, dict] = {}
+    for first in range(0, len(rows), CHUNK):
+        with tempfile.TemporaryDirectory() as tmp:
+            jobs = {f"l{i}": shared[len(BASE):] + layout_args(rows[i])
+                    for i in range(first, min(first + CHUNK, len(rows)))}
+            measured.update(measure_torchrun(ngpu, jobs, tmp))
+        for i in range(first, min(first + CHUNK, len(rows))):
+            r, m = rows[i], measured[f"l{i}"]
             predicted = r["allocator_peak_gib"] * GiB
             row = {"ngpu": ngpu, "layout": r["layout"], "predicted_peak_MiB": round(predicted / 2 ** 20, 2),
                    "comm_buffer_MiB": round(r["comm_buffer_gib"] * 1024, 2), "worst_stage": r["worst_stage"],
@@ -77,6 +94,7 @@ def check(ngpu: int, k: int | None, batch: int, seq: int, steps: int, skew: floa
                            per_rank_measured_MiB=[round(b / 2 ** 20, 2) for b in m["per_rank_peak_bytes"]])
             print(json.dumps(row), flush=True)
             out.append(row)
+    wall = time.perf_counter() - t0
     ratios = [r["ratio"] for r in out if r["ratio"] is not None]
     summary = {"summary": True, "ngpu": ngpu, "layouts": len(out), "measured": len(ratios),
                "within_10pct": sum(abs(x - 1) <= TOLERANCE for x in ratios),

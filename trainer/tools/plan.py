@@ -263,11 +263,16 @@ def choose_layout(cfg: JobConfig, world_size: int, memory_gib: float, device: st
                               f"(keeping {kept}): {'; '.join(result['rejected'][:3])}",
                               "other degrees, or parallelism.auto = false")
         best = result["layouts"][0]
+        tr = cfg.training
+        fixes = [f"more GPUs or GPUs of >= {best['predicted_peak_gib'] / (1 - DEFAULT_RESERVE):.3g} GiB"]
+        if best["ac"] != "full":
+            fixes.append("activation_checkpoint.mode = full")
+        fixes.append(f"a training.local_batch_size below {tr.local_batch_size} or a training.seq_len below "
+                     f"{tr.seq_len}")
         raise ConfigError(
             "parallelism.auto",
-            f"no layout fits {result['usable_gib']:.1f} GiB per rank (keeping {kept}); the smallest peak is "
-            f"{best['predicted_peak_gib']:.1f} GiB ({best['layout']})",
-            "more GPUs, activation_checkpoint.mode = full, a smaller training.local_batch_size or seq_len")
+            f"no layout fits {result['usable_gib']:.3g} GiB per rank (keeping {kept}); the smallest peak is "
+            f"{best['predicted_peak_gib']:.3g} GiB ({best['layout']})", ", ".join(fixes))
     best = fits[0]
     layout = Layout(*(best[k] for k in ("pp", "pp_schedule", "dp_replicate", "dp_shard", "ep", "backend",
                                         "reshard", "ac", "fp8")))
