@@ -67,9 +67,7 @@ def test_16b_on_8_gpus_json_lists_only_layouts_the_trainer_accepts():
     assert speeds == sorted(speeds, reverse=True)
     cfg = load_config(cfg_args)
     for row in layouts:
-        layout = Layout(*(row[k] for k in ("pp", "pp_schedule", "dp_replicate", "dp_shard", "ep", "backend",
-                                           "reshard", "ac", "fp8")))
-        validate_job(layout.apply(cfg), 8)
+        validate_job(Layout.of_row(row).apply(cfg), 8)
     assert any("cannot be combined with the ZBVZeroBubble schedule" in line for line in result["rejected"])
 
 
@@ -209,9 +207,6 @@ def test_calibration_fits_the_measured_step_time():
 
     cfg = load_config(["--job.config_file", os.path.join(CONFIGS, "deepseek_v3_16b.toml")])
     hw = calibrate(cfg, 16, "cuda", 1.0, Hardware(), 12.5)
-    par = cfg.parallelism
-    own = Layout(par.pipeline_parallel_degree, par.pipeline_parallel_schedule, par.data_parallel_replicate_degree,
-                 validate_job(cfg, 16).dp_shard, par.expert_parallel_degree, par.expert_parallel_comm_backend,
-                 par.fsdp_reshard_after_forward, cfg.activation_checkpoint.mode, cfg.fp8.recipe)
+    own = Layout.of_config(cfg, 16)
     assert evaluate(cfg, own, 16, "cuda", 1.0, hw, {})["predicted_step_s"] == pytest.approx(12.5, rel=1e-3)
     assert hw.efficiency != Hardware().efficiency

@@ -62,6 +62,20 @@ class Layout:
     ac: str
     fp8: str
 
+    @classmethod
+    def of_config(cls, cfg: JobConfig, world_size: int) -> "Layout":
+        """The layout `cfg` asks for on `world_size` ranks."""
+        par = cfg.parallelism
+        return cls(par.pipeline_parallel_degree, par.pipeline_parallel_schedule, par.data_parallel_replicate_degree,
+                   validate_job(cfg, world_size).dp_shard, par.expert_parallel_degree,
+                   par.expert_parallel_comm_backend, par.fsdp_reshard_after_forward, cfg.activation_checkpoint.mode,
+                   cfg.fp8.recipe)
+
+    @classmethod
+    def of_row(cls, row: dict) -> "Layout":
+        """The layout of one row of `plan_layouts`."""
+        return cls(*(row[f.name] for f in dataclasses.fields(cls)))
+
     def settings(self) -> dict[str, object]:
         """The config keys of this layout, as `section.key`: value."""
         return {"parallelism.pipeline_parallel_degree": self.pp,
@@ -195,8 +209,7 @@ def evaluate(cfg: JobConfig, layout: Layout, ngpu: int, device: str, skew: float
              for r in ranks]
     slowest = max(times, key=lambda t: t["step_s"])
     tokens = tr.local_batch_size * tr.seq_len * dims.dp * accumulation
-    return {**{k: getattr(layout, k) for k in ("pp", "pp_schedule", "dp_replicate", "dp_shard", "ep", "backend",
-                                                "reshard", "ac", "fp8")},
+    return {**dataclasses.asdict(layout),
             "predicted_peak_gib": demand[worst] / GiB, "worst_stage": worst,
             "allocator_peak_gib": ranks[worst]["predicted_peak_bytes"] / GiB,
             "comm_buffer_gib": buffers[worst] / GiB,
@@ -274,8 +287,7 @@ def choose_layout(cfg: JobConfig, world_size: int, memory_gib: float, device: st
             f"no layout fits {result['usable_gib']:.3g} GiB per rank (keeping {kept}); the smallest peak is "
             f"{best['predicted_peak_gib']:.3g} GiB ({best['layout']})", ", ".join(fixes))
     best = fits[0]
-    layout = Layout(*(best[k] for k in ("pp", "pp_schedule", "dp_replicate", "dp_shard", "ep", "backend",
-                                        "reshard", "ac", "fp8")))
+    layout = Layout.of_row(best)
     line = (f"parallelism.auto: {best['layout']} (predicted peak {best['predicted_peak_gib']:.2f} of "
             f"{result['usable_gib']:.2f} GiB usable, step {best['predicted_step_s']:.3g} s uncalibrated; "
             f"{len(fits)} of {result['evaluated']} layouts fit)")
@@ -285,11 +297,7 @@ def choose_layout(cfg: JobConfig, world_size: int, memory_gib: float, device: st
 def calibrate(cfg: JobConfig, ngpu: int, device: str, skew: float, hw: Hardware, measured_s: float) -> Hardware:
     """`hw` with the efficiency that makes the config's own layout predict `measured_s` per step (bisection: the
     step time falls as the efficiency rises)."""
-    par = cfg.parallelism
-    dims = validate_job(cfg, ngpu)
-    own = Layout(par.pipeline_parallel_degree, par.pipeline_parallel_schedule, par.data_parallel_replicate_degree,
-                 dims.dp_shard, par.expert_parallel_degree, par.expert_parallel_comm_backend,
-                 par.fsdp_reshard_after_forward, cfg.activation_checkpoint.mode, cfg.fp8.recipe)
+    own = Layout.of_config(cfg, ngpu)
     lo, hi = 1e-4, 1.0
     for _ in range(60):
         mid = math.sqrt(lo * hi)
