@@ -210,3 +210,13 @@ def test_calibration_fits_the_measured_step_time():
     own = Layout.of_config(cfg, 16)
     assert evaluate(cfg, own, 16, "cuda", 1.0, hw, {})["predicted_step_s"] == pytest.approx(12.5, rel=1e-3)
     assert hw.efficiency != Hardware().efficiency
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_is_refused_before_launch():
+    """torch's 1F1B raises when it is built (after launch) with fewer microbatches than stages: the planner's
+    measurement found it; preflight now refuses it, and the planner no longer lists it."""
+    cfg = load_config(DEBUG + ["--parallelism.pipeline_parallel_degree", "4", "--training.local_batch_size", "2"])
+    with pytest.raises(ConfigError, match="1F1B needs at least one per stage"):
+        validate_job(cfg, 4)
+    rows = plan_layouts(cfg, 4, 100.0, device="cpu")["layouts"]
+    assert not any(r["pp"] == 4 and r["pp_schedule"] == "1F1B" for r in rows)

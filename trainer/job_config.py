@@ -235,6 +235,13 @@ def _validate_pipeline(cfg: JobConfig, pp: int) -> None:
             f"{tr.local_batch_size} is not a multiple of parallelism.pipeline_parallel_microbatch_size ({mbs})",
             f"a multiple of {mbs}",
         )
+    if par.pipeline_parallel_schedule == "1F1B" and tr.local_batch_size // mbs < pp:
+        # torch's 1F1B refuses fewer microbatches than stages when it is built, after launch
+        raise ConfigError(
+            "training.local_batch_size",
+            f"gives {tr.local_batch_size // mbs} pipeline microbatches but 1F1B needs at least one per stage ({pp})",
+            f"local_batch_size >= {pp * mbs}, or parallelism.pipeline_parallel_schedule GPipe or Interleaved1F1B",
+        )
     if par.pipeline_parallel_schedule == "DualPipeV":
         microbatches = tr.local_batch_size // mbs
         if microbatches < 2 * pp:
