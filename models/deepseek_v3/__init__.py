@@ -119,18 +119,22 @@ def post_optimizer_step(model_parts, moe_cfg: MoESection, dp_group) -> dict[str,
     moe_layers = [m for part in model_parts for m in part.moe_layers()]
     layer_ids = [m.layer_id for m in moe_layers]
     counts_LE = update_expert_bias(moe_layers, moe_cfg.load_balance_coeff, dp_group)
-    scalars: dict[str, float] = {}
+    # every statistic as a device tensor first, then one host transfer for all of them (not one sync per value)
+    names, values = [], []
     for layer_id, counts_E, moe in zip(layer_ids, counts_LE, moe_layers):
-        mean = counts_E.mean().clamp_min(1e-9)
-        scalars[f"moe/layer_{layer_id}/max_over_mean"] = (counts_E.max() / mean).item()
+        names.append(f"moe/layer_{layer_id}/max_over_mean")
+        values.append(counts_E.max() / counts_E.mean().clamp_min(1e-9))
         ep = moe.dispatcher.ep
         if ep > 1:
             # rows the busiest EP rank's experts received over the mean: the layout planner's --routing-skew
             per_rank = counts_E.float().view(ep, -1).sum(1)
-            scalars[f"moe/layer_{layer_id}/ep_rank_max_over_mean"] = (per_rank.max() / per_rank.mean()
-                                                                      .clamp_min(1e-9)).item()
-        scalars[f"moe/layer_{layer_id}/bias_range"] = (moe.expert_bias.max() - moe.expert_bias.min()).item()
-    return scalars
+            names.append(f"moe/layer_{layer_id}/ep_rank_max_over_mean")
+            values.append(per_rank.max() / per_rank.mean().clamp_min(1e-9))
+        names.append(f"moe/layer_{layer_id}/bias_range")
+        values.append(moe.expert_bias.max() - moe.expert_bias.min())
+    if not values:
+        return {}
+    return dict(zip(names, torch.stack([v.float() for v in values]).tolist()))
 
 
 def mtp_loss(output: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:

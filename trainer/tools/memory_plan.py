@@ -49,7 +49,7 @@ _COMM_OPS = frozenset({"all_to_all"}.union(*(get_comm_backend(n).ac_ops for n in
 
 
 _SUMS: dict[tuple, tuple] = {}
-"""(kept, recomputed, recompute FLOPs) by (item list, mode, save_ops): blocks of one kind share their item list."""
+"""`_block_sums` by (item list, mode, save_ops): blocks of one kind share their item list."""
 
 
 def _block_sums(items: list[Item], mode: str, save_ops: frozenset[str]) -> tuple[int, int, int, int]:

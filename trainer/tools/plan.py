@@ -19,6 +19,7 @@ layout that the TOML or the command line set stay as given; the planner picks th
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -139,18 +140,16 @@ def candidates(cfg: JobConfig, ngpu: int, fixed: dict[str, object] | None = None
     fixed = fixed or {}
     schedules = ParallelismSection.__dataclass_fields__["pipeline_parallel_schedule"].metadata["choices"]
     fp8s = list(RECIPES) if cfg.fp8.recipe != "none" else ["none"]
-    for pp in _divisors(ngpu):
-        for schedule in (schedules if pp > 1 else ["1F1B"]):
-            for rep in _divisors(ngpu // pp):
-                shard = ngpu // (pp * rep)
-                for ep in _divisors(shard):
-                    for backend in (COMM_BACKENDS if ep > 1 else ["alltoall"]):
-                        for reshard in (("always", "never") if shard > 1 else ("default",)):
-                            for ac in _AC_MODES:
-                                for fp8 in fp8s:
-                                    layout = Layout(pp, schedule, rep, shard, ep, backend, reshard, ac, fp8)
-                                    if all(_matches(layout, k, v) for k, v in fixed.items()):
-                                        yield layout
+    # the degrees first (each depends on the previous), then the choices each degree allows
+    degrees = [(pp, rep, ngpu // (pp * rep), ep) for pp in _divisors(ngpu) for rep in _divisors(ngpu // pp)
+               for ep in _divisors(ngpu // (pp * rep))]
+    for pp, rep, shard, ep in degrees:
+        for schedule, backend, reshard, ac, fp8 in itertools.product(
+                schedules if pp > 1 else ["1F1B"], COMM_BACKENDS if ep > 1 else ["alltoall"],
+                ("always", "never") if shard > 1 else ("default",), _AC_MODES, fp8s):
+            layout = Layout(pp, schedule, rep, shard, ep, backend, reshard, ac, fp8)
+            if all(_matches(layout, k, v) for k, v in fixed.items()):
+                yield layout
 
 
 def _matches(layout: Layout, field: str, value: object) -> bool:
@@ -344,11 +343,8 @@ def _number(flag: str, value: str, kind=float, low: float = 0.0):
 def main(argv: list[str]) -> None:
     """The command line (see the module docstring)."""
     argv = list(argv)
-    flags = {"--json": False}
-    for flag in ("--json",):
-        if flag in argv:
-            argv.remove(flag)
-            flags[flag] = True
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
     opts: dict[str, str] = {}
     hw_values: dict[str, float] = {}
     rest = []
@@ -406,7 +402,7 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     result = plan_layouts(cfg, ngpu, memory, device, skew, hw, reserve)
     seconds = time.perf_counter() - start
-    if flags["--json"]:
+    if as_json:
         print(json.dumps(result))
     else:
         _print(result, top, seconds)
