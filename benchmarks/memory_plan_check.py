@@ -46,19 +46,20 @@ def row_args(ngpu: int, ac: str, batch: int, seq: int, steps: int, recipe: str =
     return args
 
 
-def predict(ngpu: int, args: list[str]) -> dict:
+def predict(ngpu: int, args: list[str], device: str = "cpu") -> dict:
     """Rank 0's plan (all ranks of this layout hold the same shares; routing is assumed balanced)."""
     from trainer.job_config import load_config
     from trainer.tools.memory_plan import plan
 
-    return plan(load_config(BASE + args), ngpu)["ranks"][0]
+    return plan(load_config(BASE + args), ngpu, device)["ranks"][0]
 
 
 def _peaks(history: list[dict]) -> dict:
     peaks = [h["memory/peak_allocated_GiB"] * GiB for h in history]
     top = max(range(len(history)), key=lambda i: peaks[i])
     return {"peak_bytes": int(round(peaks[top])), "per_step_peak_bytes": [int(round(p)) for p in peaks],
-            "activations_at_peak_bytes": int(round(history[top]["memory/peak_breakdown/activations_GiB"] * GiB))}
+            "activations_at_peak_bytes": int(round(history[top]["memory/peak_breakdown/activations_GiB"] * GiB)),
+            "tokens_per_s": [h["throughput/tokens_per_s"] for h in history]}
 
 
 def measure_in_process(args: list[str], dump: str) -> dict:
@@ -103,7 +104,10 @@ def measure_torchrun(ngpu: int, jobs: dict[str, list[str]], tmp: str) -> dict[st
         results[name] = {"error": errors[0]} if errors else {
             "peak_bytes": max(p["peak_bytes"] for p in per_rank),
             "per_rank_peak_bytes": [p["peak_bytes"] for p in per_rank],
-            "activations_at_peak_bytes": max(p["activations_at_peak_bytes"] for p in per_rank)}
+            "activations_at_peak_bytes": max(p["activations_at_peak_bytes"] for p in per_rank),
+            "per_rank_activations_at_peak_bytes": [p["activations_at_peak_bytes"] for p in per_rank],
+            # each step's slowest rank: the step waits for it
+            "tokens_per_s": [min(steps) for steps in zip(*(p["tokens_per_s"] for p in per_rank))]}
     return results
 
 

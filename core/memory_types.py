@@ -33,6 +33,7 @@ class Shape:
     device: str  # "cpu" or "cuda": which kernels run (e.g. attention with or without a score matrix)
     ep: int
     skew: float = 1.0  # rows the planned expert rank receives over the balanced mean (routing skew)
+    cp: int = 1  # context-parallel degree: S is this rank's share of each sequence, S * cp the whole sequence
 
     @property
     def T(self) -> int:

@@ -28,6 +28,10 @@ class ModelSection:
     n_dense_layers: int = option(-1, ge=0, special=-1)
     """How many of the first layers use a dense FFN instead of MoE, overriding the flavor's; -1 = keep it. At
     most n_layers."""
+    max_seq_len: int = option(0, ge=1, special=0)
+    """Longest sequence the model's position encoding covers, overriding the flavor's (or the HF config's); 0 =
+    keep it. Past the context the model was pre-trained on, its RoPE is stretched with YaRN (DeepSeek-V3: 4096
+    tokens x rope_factor 40 = 163840), as for long-context fine-tuning."""
     mtp_layers: int = option(-1, ge=0, special=-1)
     """Multi-token-prediction layers: -1 = as the flavor (or the HF config's num_nextn_predict_layers) says, 0 =
     none, N = that depth. A checkpoint saved by transformers declares MTP in config.json but stores no MTP weights:

@@ -180,7 +180,10 @@ class ModelSpec:
     """Everything the trainer needs to know about one model family: six required fields, then the optional groups.
 
     model_cls(args) -> nn.Module, built on the meta device; it must have `init_weights(buffer_device, seed)`.
-    build_loss_fn(args) -> fn(output, labels) -> summed loss over valid label tokens.
+    build_loss_fn(args) -> fn(output, labels) -> summed loss over valid label tokens. A family with
+    `context_parallel` is also called `build_loss_fn(args, context_parallel)` when sequences are split
+    (`parallelisms.context_parallel.ContextParallel`): its loss then gets the whole sequences' labels and this rank's
+    share of the outputs.
     """
 
     name: str
@@ -194,6 +197,9 @@ class ModelSpec:
     checkpoints: Checkpoints = Checkpoints()
     plan: PlanTables = PlanTables()
     tools: ToolHooks = ToolHooks()
+    context_parallel: bool = False
+    """The family can split sequences over ranks (`parallelism.context_parallel_degree`): its model takes the
+    whole sequences' tokens and its parallelize plan gives the model the rank's `ContextParallel`."""
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -1,7 +1,9 @@
 """Parallel degrees resolved against the world size, checked once before any mesh or model is built.
 
-The world is `pp * dp_replicate * dp_shard` ranks. Expert parallelism does not add a factor: EP borrows ranks
-from the data-parallel shard dimension ("dp2ep"), so `dp_shard = efsdp * ep` where `efsdp` is the FSDP degree
+The world is `pp * dp_replicate * dp_shard * cp` ranks. Context parallelism (`cp`) splits every sequence over
+its ranks; to everything but attention its ranks are data-parallel ranks holding other tokens, so FSDP shards the
+weights over `dp_shard * cp`. Expert parallelism does not add a factor: EP borrows ranks from that shard dimension
+("dp2ep", tokens are tokens to the MoE layer), so `dp_shard * cp = efsdp * ep` where `efsdp` is the FSDP degree
 left over for the expert weights.
 """
 
@@ -16,15 +18,21 @@ _V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 @dataclass
 class ParallelismSection:
-    """Parallel degrees and their knobs. Expert parallelism borrows ranks from the data-parallel shard
-    dimension; it is not an extra factor of the world size."""
+    """Parallel degrees and their knobs. Expert parallelism borrows ranks from the data-parallel shard and
+    context-parallel dimensions; it is not an extra factor of the world size."""
 
     data_parallel_replicate_degree: int = option(1, ge=1)
     """Number of data-parallel replicas (the replicate dimension of HSDP)."""
     data_parallel_shard_degree: int = option(-1, ge=1, special=-1)
-    """FSDP shard degree; -1 = all ranks left after data_parallel_replicate_degree and pipeline_parallel_degree."""
+    """Data-parallel shard degree; -1 = all ranks left after data_parallel_replicate_degree,
+    context_parallel_degree and pipeline_parallel_degree."""
+    context_parallel_degree: int = option(1, ge=1)
+    """Ranks that split every sequence between them (load-balanced causal split: rank i holds chunks i and
+    2 * cp - 1 - i of 2 * cp); training.seq_len must be a multiple of 2 * cp. FSDP shards over
+    data_parallel_shard_degree * context_parallel_degree."""
     expert_parallel_degree: int = option(1, ge=1)
-    """Ranks that split the routed experts between them; must divide data_parallel_shard_degree."""
+    """Ranks that split the routed experts between them; must divide data_parallel_shard_degree *
+    context_parallel_degree."""
     expert_parallel_comm_backend: str = option("alltoall", choices=COMM_BACKENDS)
     """How tokens travel to their experts: a comm backend registered in parallelisms/moe_comm/ (alltoall =
     all_to_all_single collectives; each backend's doc is listed in docs/parallelism.md)."""
@@ -91,13 +99,15 @@ class ParallelDims:
     dp_replicate: int
     """Data-parallel replicas (HSDP replicate dimension)."""
     dp_shard: int
-    """FSDP shard degree of dense weights (resolved, never -1)."""
+    """Data-parallel shard degree (resolved, never -1); FSDP shards dense weights over dp_shard * cp."""
     ep: int
-    """Expert-parallel degree, carved out of dp_shard."""
+    """Expert-parallel degree, carved out of dp_shard * cp."""
     pp: int
     """Pipeline-parallel degree."""
     world_size: int
     """Total number of ranks."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split every sequence."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -107,24 +117,28 @@ class ParallelDims:
             ("parallelism.data_parallel_shard_degree", self.dp_shard),
             ("parallelism.expert_parallel_degree", self.ep),
             ("parallelism.pipeline_parallel_degree", self.pp),
+            ("parallelism.context_parallel_degree", self.cp),
         ):
             if value < 1:
                 raise ConfigError(key, f"{value} is out of range", ">= 1")
-        product = self.dp_replicate * self.dp_shard * self.pp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.pp
         if product != self.world_size:
+            cp = f" * context_parallel_degree ({self.cp})" if self.cp > 1 else ""
             raise ConfigError(
                 "parallelism",
                 f"data_parallel_replicate_degree ({self.dp_replicate}) * data_parallel_shard_degree "
-                f"({self.dp_shard}) * pipeline_parallel_degree ({self.pp}) = {product}, "
+                f"({self.dp_shard}){cp} * pipeline_parallel_degree ({self.pp}) = {product}, "
                 f"but the world size is {self.world_size}",
                 f"degrees whose product is {self.world_size}, or data_parallel_shard_degree = -1 to fill the rest",
             )
-        if self.dp_shard % self.ep:
+        if self.fsdp_shard % self.ep:
+            span = (f"data_parallel_shard_degree ({self.dp_shard}) * context_parallel_degree ({self.cp}) = "
+                    f"{self.fsdp_shard}" if self.cp > 1 else f"data_parallel_shard_degree ({self.dp_shard})")
             raise ConfigError(
                 "parallelism.expert_parallel_degree",
-                f"{self.ep} does not divide data_parallel_shard_degree ({self.dp_shard}); EP borrows ranks from "
-                "the data-parallel shard dimension, it is not an extra factor of the world size",
-                _divisors(self.dp_shard),
+                f"{self.ep} does not divide {span}; EP borrows ranks from the data-parallel shard "
+                "dimension, it is not an extra factor of the world size",
+                _divisors(self.fsdp_shard),
             )
 
     @classmethod
@@ -132,15 +146,20 @@ class ParallelDims:
         """Resolve `data_parallel_shard_degree = -1` to the ranks left over and check the degrees."""
         dp_replicate = parallelism_cfg.data_parallel_replicate_degree
         pp = parallelism_cfg.pipeline_parallel_degree
+        cp = parallelism_cfg.context_parallel_degree
         dp_shard = parallelism_cfg.data_parallel_shard_degree
         if dp_shard == -1:
-            rest = dp_replicate * pp
+            rest = dp_replicate * pp * cp
             if rest < 1 or world_size % rest:
+                names = "data_parallel_replicate_degree * pipeline_parallel_degree"
+                values = f"({dp_replicate}) * ({pp})"
+                if cp > 1:
+                    names, values = names + " * context_parallel_degree", values + f" * ({cp})"
                 raise ConfigError(
                     "parallelism.data_parallel_shard_degree",
-                    f"-1 cannot fill the world: world size {world_size} is not divisible by "
-                    f"data_parallel_replicate_degree ({dp_replicate}) * pipeline_parallel_degree ({pp}) = {rest}",
-                    f"data_parallel_replicate_degree * pipeline_parallel_degree among {_divisors(world_size)}",
+                    f"-1 cannot fill the world: world size {world_size} is not divisible by {names} = "
+                    f"{values} = {rest}",
+                    f"{names} among {_divisors(world_size)}",
                 )
             dp_shard = world_size // rest
         return cls(
@@ -149,6 +168,7 @@ class ParallelDims:
             ep=parallelism_cfg.expert_parallel_degree,
             pp=pp,
             world_size=world_size,
+            cp=cp,
         )
 
     @property
@@ -157,9 +177,20 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp_shard(self) -> int:
+        """Ranks FSDP shards the dense weights over: dp_shard * cp (context-parallel ranks hold other tokens)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def token_ranks(self) -> int:
+        """Ranks of one pipeline stage that hold different tokens (dp * cp): the ranks gradients, token counts and
+        loss sums are summed over."""
+        return self.dp * self.cp
+
+    @property
     def efsdp(self) -> int:
         """FSDP degree of the expert weights: the shard ranks not used for expert parallelism."""
-        return self.dp_shard // self.ep
+        return self.fsdp_shard // self.ep
 
     @property
     def dp_enabled(self) -> bool:
@@ -167,9 +198,19 @@ class ParallelDims:
         return self.dp > 1
 
     @property
+    def sharded(self) -> bool:
+        """FSDP applies: more than one rank holds other tokens (dp * cp > 1)."""
+        return self.token_ranks > 1
+
+    @property
     def fsdp_enabled(self) -> bool:
-        """Dense weights are sharded (dp_shard > 1)."""
-        return self.dp_shard > 1
+        """Dense weights are sharded (dp_shard * cp > 1)."""
+        return self.fsdp_shard > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        """Sequences are split across ranks."""
+        return self.cp > 1
 
     @property
     def ep_enabled(self) -> bool:
@@ -184,4 +225,4 @@ class ParallelDims:
     @property
     def hsdp(self) -> bool:
         """Hybrid sharding: replicated across dp_replicate, sharded within dp_shard."""
-        return self.dp_replicate > 1 and self.dp_shard > 1
+        return self.dp_replicate > 1 and self.fsdp_shard > 1

@@ -3,7 +3,8 @@
 The matrix (generated below, one launch per world size, the model built once per cell):
 
     layouts   1 process, fsdp2, fsdp2 x ep2, fsdp4 x ep2, fsdp4 x ep4, hsdp 2x2 x ep2, pp2 x fsdp2, pp2 x fsdp2 x ep2,
-              pp2 x fsdp4 x ep2 (8 ranks)
+              pp2 x fsdp4 x ep2 (8 ranks); context parallel: cp2, cp2 x fsdp2 x ep2 (EP borrows from the
+              dp_shard x cp ranks), pp2 x cp2
     AC        none, selective (per-op, default save_ops), full
     backends  alltoall; and the DeepEP stand-in where EP > 1
 
@@ -16,8 +17,8 @@ which hid the crash), with the Interleaved1F1B schedule, and in bf16 with select
 modes on fsdp4 x ep2 is in tests/test_compile.py. ZBVZeroBubble and DualPipeV refuse AC in preflight
 (tests/test_bad_inputs.py).
 
-Time on the 2-core development machine (torch 2.13.0+cpu, 2026-11-25): about 3 min 30 s for the whole file (the
-4-rank launch about 110 s, the 8-rank one about 75 s, the 2-rank one 15 s, the one-process references 4 s).
+Time on the 2-core development machine (torch 2.13.0+cpu, 2026-11-25): about 4 min for the whole file (the 4-rank
+launch about 150 s, the 8-rank one about 60 s, the 2-rank one 20 s, the one-process references 4 s).
 """
 
 import itertools
@@ -59,6 +60,10 @@ def _ep(n: int) -> list[str]:
     return ["--parallelism.expert_parallel_degree", str(n)]
 
 
+def _cp(n: int) -> list[str]:
+    return ["--parallelism.context_parallel_degree", str(n)]
+
+
 def _pp(local_batch: int) -> list[str]:
     return ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", str(local_batch)]
 
@@ -75,6 +80,9 @@ LAYOUTS = {
     "pp2_fsdp2": (4, _pp(4), 1),
     "pp2_fsdp2_ep2": (4, _pp(4) + _ep(2), 2),
     "pp2_fsdp4_ep2": (8, _pp(2) + _ep(2), 2),
+    "cp2": (2, ["--training.local_batch_size", "8"] + _cp(2), 1),
+    "cp2_fsdp2_ep2": (4, ["--training.local_batch_size", "4"] + _cp(2) + _ep(2), 2),
+    "pp2_cp2": (4, _pp(8) + _cp(2), 1),
 }
 
 
@@ -182,14 +190,14 @@ def test_one_process_ac_modes_agree(references):
 @pytest.mark.slow
 def test_two_ranks_matrix(tmp_path, references):
     jobs = matrix_jobs(2)
-    assert len(jobs) == 3 + 3 * 2
+    assert len(jobs) == 3 + 3 * 2 + 3
     assert_cells_match(launch(2, jobs, tmp_path), references)
 
 
 @pytest.mark.slow
 def test_four_ranks_matrix_and_sharded_experts(tmp_path, references):
     jobs = matrix_jobs(4) | sharded_experts_jobs(4)
-    assert len(jobs) == 4 * 3 * 2 + 3 + 2 * 3
+    assert len(jobs) == 5 * 3 * 2 + 2 * 3 + 2 * 3
     assert_cells_match(launch(4, jobs, tmp_path), references)
 
 

@@ -4,7 +4,9 @@ loop take everything from the registry.
 The worked example of docs/architecture.md ("Adding a comm backend") lives here: `AllGatherDispatcher`, a toy
 backend registered from this file, trains the debug model on 2 gloo ranks with the losses of the all-to-all
 backend. This file is also the torchrun worker of that check (`python tests/test_comm_backends.py jobs.json
-out.json`), so the worker processes register the toy backend the same way.
+out.json`), so the worker processes register the toy backend the same way. In pytest the toy backend is registered
+only while this module's tests run: pytest imports every test module before running any, and a backend left in the
+registry would be planned (and chosen by `parallelism.auto`) in other modules' tests, whose workers do not know it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from trainer.job_config import load_config, validate_job  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------- the toy backend
 
-@register_comm_backend("toy_allgather")
 class AllGatherDispatcher(TokenDispatcher):
     """Every rank gathers all tokens of the EP group, keeps the (token, expert) pairs of its own experts, and sends
     the expert outputs home with one reduce-scatter that also sums each token's top-k contributions."""
@@ -82,6 +83,14 @@ class AllGatherDispatcher(TokenDispatcher):
 
 
 # ----------------------------------------------------------------------------------------------- single process
+
+@pytest.fixture(autouse=True, scope="module")
+def toy_backend_registered():
+    """The toy backend in the registry for this module's tests only (see the module docstring)."""
+    register_comm_backend("toy_allgather")(AllGatherDispatcher)
+    yield
+    registry._BACKENDS.pop("toy_allgather", None)
+
 
 @pytest.fixture
 def scratch_registry():
@@ -189,4 +198,5 @@ def _worker(jobs_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
+    register_comm_backend("toy_allgather")(AllGatherDispatcher)
     _worker(sys.argv[1], sys.argv[2])

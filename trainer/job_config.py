@@ -204,6 +204,8 @@ def validate_job(cfg: JobConfig, world_size: int, fields_checked: bool = False) 
     check_sections(cfg)
     if dims.pp_enabled:
         _validate_pipeline(cfg, dims.pp)
+    if dims.cp_enabled:
+        _validate_context_parallel(cfg, dims.cp)
 
     if cfg.compile.enable and cfg.memory.track == "exact":
         raise ConfigError("memory.track", "exact tracking makes compiled code run eagerly (it would silently "
@@ -262,6 +264,26 @@ def _validate_pipeline(cfg: JobConfig, pp: int) -> None:
             f"none with {par.pipeline_parallel_schedule}, or parallelism.pipeline_parallel_schedule 1F1B or "
             "Interleaved1F1B with activation checkpointing",
         )
+
+
+def _validate_context_parallel(cfg: JobConfig, cp: int) -> None:
+    """Context parallelism against the sequence geometry and the model family (parallelisms/context_parallel.py)."""
+    seq_len = cfg.training.seq_len
+    if seq_len % (2 * cp):
+        raise ConfigError(
+            "training.seq_len",
+            f"{seq_len} cannot be split over context_parallel_degree {cp}: the load-balanced split cuts every "
+            f"sequence into 2 * cp = {2 * cp} equal chunks",
+            f"a multiple of {2 * cp} (e.g. {seq_len // (2 * cp) * 2 * cp or 2 * cp}), or a context_parallel_degree "
+            f"whose double divides {seq_len}",
+        )
+    try:
+        spec = get_model_spec(cfg.model.name)
+    except KeyError:
+        return  # `trainer.prepare` names the unknown model
+    if not spec.context_parallel:
+        raise ConfigError("parallelism.context_parallel_degree",
+                          f"model {cfg.model.name!r} cannot split its sequences over ranks", "1")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

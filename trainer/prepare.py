@@ -70,7 +70,7 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
     if tokenizer.vocab_size > model_args.vocab_size:
         raise ConfigError("tokenizer.path", f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's "
                           f"vocab_size {model_args.vocab_size}", f"a tokenizer with <= {model_args.vocab_size} ids")
-    dp_rank = rank % dims.dp  # meshes are laid out (pp, dp_replicate, dp_shard), pp outermost
+    dp_rank = (rank // dims.cp) % dims.dp  # meshes are laid out (pp, dp_replicate, dp_shard, cp), pp outermost
     global_batch = cfg.training.global_batch_size
     if global_batch == -1:
         global_batch = cfg.training.local_batch_size * dims.dp

@@ -40,6 +40,7 @@ from core.config import ConfigError, config_to_toml
 from core.loss import ScaledLoss, count_valid_tokens
 from parallelisms.clip import clip_grad_norm_
 from parallelisms.compile import SECONDS_PER_GRAPH, compile_loss, first_compile
+from parallelisms.context_parallel import ContextParallel
 from parallelisms.mesh import build_meshes
 from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.pipeline import build_schedule
@@ -87,7 +88,10 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
 
         self.model_args = prep.model_args
-        self.loss_fn = compile_loss(self.spec.build_loss_fn(prep.model_args), cfg.compile)
+        # with context parallelism the model and the loss get whole sequences and keep this rank's share
+        self.context_parallel = ContextParallel.of_meshes(self.meshes)
+        loss_args = (prep.model_args,) if self.context_parallel is None else (prep.model_args, self.context_parallel)
+        self.loss_fn = compile_loss(self.spec.build_loss_fn(*loss_args), cfg.compile)
         built = build_model_parts(self.spec, prep.model_args, cfg, self.dims, self.meshes)
         self.model_parts = built.parts
         self.pipeline, self.schedule, self.has_first_stage, self.has_last_stage = None, None, True, True
@@ -111,7 +115,7 @@ class Trainer:
             prep.model_args, cfg.training.seq_len)
         # FSDP casts parameters itself (MixedPrecisionPolicy); without FSDP, bf16 compute comes from autocast
         self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
-                         if cfg.training.dtype == "bfloat16" and not self.dims.dp_enabled else contextlib.nullcontext())
+                         if cfg.training.dtype == "bfloat16" and not self.dims.sharded else contextlib.nullcontext())
 
         self.memory = MemoryMonitor(device, cfg.memory.track, compiled=cfg.compile.enable)
         self.memory.track(*self.model_parts, *self.optimizers)
@@ -234,8 +238,14 @@ class Trainer:
             set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
         logger.info("initial weights loaded from HF checkpoint %s", path)
 
+    def _own_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a batch of whole sequences [B, S]: all of it, or its chunks under context
+        parallelism."""
+        return t if self.context_parallel is None else self.context_parallel.shard(t)
+
     def _all_reduce_sum(self, t: torch.Tensor, with_pp: bool = False) -> torch.Tensor:
-        """Sum over the data-parallel ranks (and over pipeline stages when only the last stage holds a value)."""
+        """Sum over the ranks holding other tokens, data- and context-parallel (and over pipeline stages when only
+        the last stage holds a value)."""
         if self.dp_group is not None:
             dist.all_reduce(t, group=self.dp_group)
         if with_pp and self.pp_group is not None:
@@ -282,7 +292,7 @@ class Trainer:
         with record_function("phase/data"):
             inputs, labels = self.train_loader.next_batch()
         self._advance("counting the batch's tokens")
-        global_tokens = self._all_reduce_sum(count_valid_tokens(labels).to(self.device)).item()
+        global_tokens = self._all_reduce_sum(count_valid_tokens(self._own_tokens(labels)).to(self.device)).item()
         self.spec.hooks.before_step(self.model_parts, global_tokens)
 
         try:
@@ -310,7 +320,7 @@ class Trainer:
                 self._handle_nonfinite(step, loss, grad_norm.item())
             scalars = self.spec.hooks.post_optimizer_step(self.model_parts, cfg.moe, self.dp_group)
         scalars.update({"loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
-                        "local_tokens": float(inputs.numel()), "global_tokens": float(global_tokens)})
+                        "local_tokens": float(self._own_tokens(inputs).numel()), "global_tokens": float(global_tokens)})
         return scalars
 
     def _handle_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
@@ -334,13 +344,14 @@ class Trainer:
                     raise PreemptedError
                 self._advance(f"validation batch {index + 1}/{self.cfg.validation.steps}")
                 inputs, labels = self.val_loader.next_batch()
-                tokens += count_valid_tokens(labels).to(self.device)
+                tokens += count_valid_tokens(self._own_tokens(labels)).to(self.device)
                 for start in range(0, inputs.shape[0], lbs):
                     x = inputs[start:start + lbs].to(self.device)
                     y = labels[start:start + lbs].to(self.device)
                     with self.autocast:
                         if self.pipeline is not None:
-                            out = self.pipeline.forward(x, (*x.shape, self.model_args.dim))
+                            hidden = (*self._own_tokens(x).shape, self.model_args.dim)
+                            out = self.pipeline.forward(x, hidden)
                             if out is not None:
                                 total += self.loss_fn(out, y)
                             continue

@@ -40,7 +40,7 @@ def build_args(job: ModelJob) -> ModelArgs:
     seq_len = job.seq_len
     if seq_len > args.max_seq_len:
         raise ConfigError("training.seq_len", f"{seq_len} exceeds the model's maximum of {args.max_seq_len}",
-                          f"1..{args.max_seq_len}")
+                          f"1..{args.max_seq_len}, or raise model.max_seq_len (YaRN past the pre-training context)")
     ep = job.expert_parallel_degree
     if args.n_routed_experts % ep:
         raise ConfigError("parallelism.expert_parallel_degree",
@@ -59,10 +59,12 @@ def build_args(job: ModelJob) -> ModelArgs:
 
 
 def _override_layers(args: ModelArgs, model_cfg) -> ModelArgs:
-    """`model.n_layers` / `model.n_dense_layers` / `model.mtp_layers` applied to the flavor's args (0 / -1 / -1
-    keep the flavor's)."""
+    """`model.n_layers` / `model.n_dense_layers` / `model.mtp_layers` / `model.max_seq_len` applied to the flavor's
+    args (0 / -1 / -1 / 0 keep the flavor's)."""
     if model_cfg.mtp_layers != -1:
         args = args.replace(num_mtp_layers=model_cfg.mtp_layers)
+    if model_cfg.max_seq_len:
+        args = args.replace(max_seq_len=model_cfg.max_seq_len)
     n_layers = model_cfg.n_layers or args.n_layers
     if model_cfg.n_dense_layers != -1:
         if model_cfg.n_dense_layers > n_layers:
@@ -94,11 +96,14 @@ def _check_fp8(fp8_cfg, args: ModelArgs) -> None:
                           f"true with fp8.recipe != none, or exclude {grouped[0]} in fp8.exclude_modules")
 
 
-def build_loss_fn(args: ModelArgs):
-    """Summed cross-entropy; with MTP, plus the weighted MTP losses (see `mtp_loss`)."""
-    if args.num_mtp_layers == 0:
+def build_loss_fn(args: ModelArgs, context_parallel=None):
+    """Summed cross-entropy; with MTP, plus the weighted MTP losses (see `mtp_loss`). With `context_parallel`, the
+    loss gets the whole sequences' labels and this rank's share of the outputs."""
+    if args.num_mtp_layers > 0:
+        return lambda output, labels: mtp_loss(output, labels, args.mtp_loss_weight, context_parallel)
+    if context_parallel is None:
         return cross_entropy_sum
-    return lambda output, labels: mtp_loss(output, labels, args.mtp_loss_weight)
+    return lambda output, labels: cross_entropy_sum(output, context_parallel.shard(labels))
 
 
 def configure_model(model: DeepSeekV3Model, moe_cfg: MoESection) -> None:
@@ -137,21 +142,26 @@ def post_optimizer_step(model_parts, moe_cfg: MoESection, dp_group) -> dict[str,
     return dict(zip(names, torch.stack([v.float() for v in values]).tolist()))
 
 
-def mtp_loss(output: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
+def mtp_loss(output: torch.Tensor, labels: torch.Tensor, weight: float, context_parallel=None) -> torch.Tensor:
     """Summed main loss + weight / D * sum of the D MTP losses, for output [1 + D, B, S, V] in training.
 
     Depth k predicts labels shifted left by k (token t_{i+k+1} at position i); the last k positions of each
-    sequence have no target and are ignored. In eval mode the model returns plain logits [B, S, V].
+    sequence have no target and are ignored. In eval mode the model returns plain logits [B, S, V]. With
+    `context_parallel`, `labels` are the whole sequences' and the output this rank's share: labels are shifted
+    first, then sharded.
     """
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t if context_parallel is None else context_parallel.shard(t)
+
     if output.dim() == 3:
-        return cross_entropy_sum(output, labels)
+        return cross_entropy_sum(output, own(labels))
     depth = output.shape[0] - 1
-    total = cross_entropy_sum(output[0], labels)
+    total = cross_entropy_sum(output[0], own(labels))
     mtp_total = 0.0
     for k in range(1, depth + 1):
         shifted = torch.roll(labels, shifts=-k, dims=1)
         shifted[:, -k:] = IGNORE_INDEX
-        mtp_total = mtp_total + cross_entropy_sum(output[k], shifted)
+        mtp_total = mtp_total + cross_entropy_sum(output[k], own(shifted))
     return total + (weight / depth) * mtp_total
 
 
@@ -174,6 +184,7 @@ register_model_spec(ModelSpec(
     checkpoints=Checkpoints(hf=hf, optional_weights={"mtp.": "--model.mtp_layers 0"}),
     plan=PlanTables(recompute_modules=RECOMPUTE_MODULES, module_defaults=MODULE_DEFAULTS, compile_units=compile_units),
     tools=ToolHooks(memory_plan=stage_memory, module_flops=block_flops_per_token),
+    context_parallel=True,
 ))
 
 __all__ = ["DeepSeekV3Model", "ModelArgs", "FLAVORS", "build_args", "load_hf_pretrained"]

@@ -108,10 +108,12 @@ class ModelArgs:
 _V3_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 FLAVORS: dict[str, ModelArgs] = {
-    # Tiny: trains on CPU in seconds; shapes as torchtitan's debug model (MLA head dims as the real model).
+    # Tiny: trains on CPU in seconds; shapes as torchtitan's debug model (MLA head dims as the real model). RoPE
+    # tables for 8192 tokens (context-parallel runs and benchmarks reach 8192) without YaRN.
     "debugmodel": ModelArgs(
         vocab_size=2048, dim=256, inter_dim=1024, moe_inter_dim=256, n_layers=6, n_dense_layers=1, n_heads=16,
-        norm_eps=1e-6, max_seq_len=2048, n_routed_experts=8, n_shared_experts=2, n_activated_experts=3,
+        norm_eps=1e-6, max_seq_len=8192, original_seq_len=8192,
+        n_routed_experts=8, n_shared_experts=2, n_activated_experts=3,
         score_func="softmax", route_norm=False, route_scale=1.0, q_lora_rank=0, mscale=0.70, **_V3_MLA,
     ),
     # Sized so one CPU step takes a few seconds (benchmarks/throughput.py with train_configs/cpu_bench.toml).

@@ -85,30 +85,42 @@ def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False, e
     else:
         items.append(Item("wq", T * q_out * a, False, "mm", 2 * T * D * q_out))
     kv_a = args.kv_lora_rank + args.qk_rope_head_dim
-    items.append(Item("wkv_a", T * kv_a * a, True, "mm", 2 * T * D * kv_a))
-    items += _norm("kv_norm", T, args.kv_lora_rank, a)
+    # context parallelism: the whole sequences' latents are gathered (wkv_a's own output is then not kept) and
+    # up-projected, so keys and values have Tk = T * cp rows (`model.MLA.forward`)
+    Tk, Sk = T * sh.cp, sh.S * sh.cp
+    items.append(Item("wkv_a", T * kv_a * a, sh.cp == 1, "mm", 2 * T * D * kv_a))
+    if sh.cp > 1:
+        items.append(Item("cp.kv_gathered", Tk * kv_a * a, True, "all_gather"))
+    items += _norm("kv_norm", Tk, args.kv_lora_rank, a)
     kv_b = H * (args.qk_nope_head_dim + args.v_head_dim)
-    items.append(Item("wkv_b", T * kv_b * a, False, "mm", 2 * T * args.kv_lora_rank * kv_b))
+    items.append(Item("wkv_b", Tk * kv_b * a, False, "mm", 2 * Tk * args.kv_lora_rank * kv_b))
     bhs = sh.B * H * sh.S
-    # causal attention: half the score matrix is useful work (the FLOPs the metrics count)
-    score_flops, value_flops = bhs * sh.S * args.qk_head_dim, bhs * sh.S * args.v_head_dim
+    # causal attention: half the whole sequence's score matrix is useful work (the FLOPs the metrics count), a
+    # 1 / cp share of it per rank
+    score_flops, value_flops = bhs * Sk * args.qk_head_dim, bhs * Sk * args.v_head_dim
+    # rows of keys the kernels read and scores they compute: the whole square without context parallelism; with
+    # it, each of the rank's two chunks (L rows) against the keys up to its end, (2 cp + 1) L keys in all
+    key_rows, scores = bhs, bhs * sh.S
+    if sh.cp > 1:
+        L = sh.S // 2
+        key_rows, scores = sh.B * H * (2 * sh.cp + 1) * L, sh.B * H * L * (2 * sh.cp + 1) * L
     if sdpa == "math":
         # math path: q and k scaled copies and v made contiguous for the bmms, fp32 scores and probabilities
         items += [Item("sdpa.q", bhs * args.qk_head_dim * _F32, True, "mul"),
-                  Item("sdpa.k", bhs * args.qk_head_dim * _F32, True, "mul"),
-                  Item("sdpa.scores", bhs * sh.S * _F32, False, "mm", score_flops),
-                  Item("sdpa.probs", bhs * sh.S * _F32, True, "softmax"),
-                  Item("sdpa.v", bhs * args.v_head_dim * _F32, True, "other"),
+                  Item("sdpa.k", key_rows * args.qk_head_dim * _F32, True, "mul"),
+                  Item("sdpa.scores", scores * _F32, False, "mm", score_flops),
+                  Item("sdpa.probs", scores * _F32, True, "softmax"),
+                  Item("sdpa.v", key_rows * args.v_head_dim * _F32, True, "other"),
                   Item("sdpa.out", bhs * args.v_head_dim * _F32, False, "mm", value_flops)]
     else:
-        # fused kernels keep q, k (the concatenated copies), the output and the fp32 log-sum-exp; with padded v
-        # also the padded copy, and the output has q/k's head dim
+        # fused kernels keep q, k (the concatenated copies, the whole sequences' under context parallelism), the
+        # output and the fp32 log-sum-exp; with padded v also the padded copy, and the output has q/k's head dim
         dv = args.qk_head_dim if sdpa == "flash_padded_v" else args.v_head_dim
         if sdpa == "flash_padded_v":
-            items.append(Item("sdpa.v_padded", bhs * dv * a, True, "other"))
+            items.append(Item("sdpa.v_padded", bhs * sh.cp * dv * a, True, "other"))
         items += [Item("sdpa.q", bhs * args.qk_head_dim * a, True, "other"),
-                  Item("sdpa.k", bhs * args.qk_head_dim * a, True, "other"),
-                  Item("sdpa.out", bhs * dv * a, True, "attention", score_flops + bhs * sh.S * dv),
+                  Item("sdpa.k", bhs * sh.cp * args.qk_head_dim * a, True, "other"),
+                  Item("sdpa.out", bhs * dv * a, True, "attention", score_flops + bhs * Sk * dv),
                   Item("sdpa.lse", bhs * _F32, True, "attention")]
     items.append(Item("wo.input", T * H * args.v_head_dim * a, True, "other"))
     items.append(Item("wo", T * D * a, False, "mm", 2 * T * H * args.v_head_dim * D))
@@ -240,9 +252,18 @@ def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, params: list[
     align = expert_row_align(sh, fp8_experts)
     items = block_items(args, moe, sh, aux_loss, align)
     ffn = sum(it.nbytes for it in items if it.saved and it.name.startswith(_FFN_PREFIXES))
-    # the attention backward holds the score gradient and the softmax gradient at once (math path)
-    attn_ws = 2 * sh.B * args.n_heads * sh.S * sh.S * _F32 if sdpa_path(sh) == "math" else \
-        3 * T * args.n_heads * args.qk_head_dim * a
+    # the attention backward holds the score gradient and the softmax gradient at once (math path); with context
+    # parallelism those of its longest chunk (L rows against 2 cp L keys), and the gradients of the whole
+    # sequences' keys and values, which the chunks' backwards add into
+    if sh.cp == 1:
+        attn_ws = 2 * sh.B * args.n_heads * sh.S * sh.S * _F32 if sdpa_path(sh) == "math" else \
+            3 * T * args.n_heads * args.qk_head_dim * a
+    else:
+        g = _F32 if sdpa_path(sh) == "math" else a
+        kv_grads = T * sh.cp * args.n_heads * (args.qk_head_dim + args.v_head_dim) * g
+        L = sh.S // 2
+        attn_ws = kv_grads + (2 * sh.B * args.n_heads * L * 2 * sh.cp * L * _F32 if sdpa_path(sh) == "math" else
+                              3 * T * args.n_heads * args.qk_head_dim * a)
     hidden = args.moe_inter_dim * max(args.n_shared_experts, 1) if moe else args.inter_dim
     received = received_rows(args, sh) if moe else 0
     ffn_ws = 3 * max(received * args.moe_inter_dim, T * hidden) * a

@@ -114,6 +114,9 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim),
                                bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        self.context_parallel = None
+        """This rank's `ContextParallel` when sequences are split over ranks (set by the parallelize plan): x holds
+        this rank's tokens and the keys and values of the whole sequence are gathered."""
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -125,12 +128,23 @@ class MLA(nn.Module):
 
         latent, k_rope = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin)
-        kv_BSHd = self.wkv_b(self.kv_norm(latent)).view(B, S, self.n_heads, -1)
+        cp = self.context_parallel
+        if cp is not None:
+            # The other ranks' keys and values travel compressed: the latent and the rotated shared rope key
+            # (kv_lora_rank + qk_rope_head_dim per token, 576 in the DeepSeek flavors) are 71x fewer bytes than
+            # the heads' k and v (128 heads x (192 + 128)); every rank then up-projects the whole sequence.
+            kv = cp.gather(torch.cat([latent, k_rope.squeeze(2)], dim=-1), dim=1)
+            latent, k_rope = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            k_rope = k_rope.unsqueeze(2)
+        kv_BSHd = self.wkv_b(self.kv_norm(latent)).view(B, latent.shape[1], self.n_heads, -1)
         k_nope, v = kv_BSHd.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
 
         q_BHSd = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
         k_BHSd = torch.cat([k_nope, k_rope.expand(-1, -1, self.n_heads, -1)], dim=-1).transpose(1, 2)
-        out = attention(q_BHSd, k_BHSd, v.transpose(1, 2), self.softmax_scale, mask)
+        if cp is None:
+            out = attention(q_BHSd, k_BHSd, v.transpose(1, 2), self.softmax_scale, mask)
+        else:
+            out = cp.attention(q_BHSd, k_BHSd, v.transpose(1, 2), self.softmax_scale, mask)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -215,22 +229,36 @@ class DeepSeekV3Model(nn.Module):
         cos, sin = rope_tables(args)  # on meta when built under `torch.device("meta")`; init_weights re-creates
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.context_parallel = None
+        """This rank's `ContextParallel` when sequences are split over ranks (set by the parallelize plan)."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] (int) on the first pipeline stage, hidden states [B, S, D] on later ones."""
-        S = tokens.shape[1]
+        """tokens [B, S] (int) on the first pipeline stage, hidden states [B, S, D] on later ones.
+
+        With context parallelism (`self.context_parallel`), the first stage gets the whole sequences' tokens and
+        keeps this rank's share; hidden states and outputs hold this rank's share [B, S / cp, .] only, at the
+        global positions of its tokens (RoPE angles, masks, multi-token prediction's future tokens).
+        """
+        cp = self.context_parallel
+        first_stage = self.tok_embeddings is not None
+        S = tokens.shape[1] if first_stage or cp is None else tokens.shape[1] * cp.degree
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
         mask = None
         if self.args.document_masking:
             mask = document_causal_mask(tokens, self.args.eos_id)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        whole_tokens = tokens
+        if cp is not None:
+            cos, sin = cp.shard(cos, 0), cp.shard(sin, 0)
+            mask = cp.shard(mask, 2) if mask is not None else None  # this rank's query rows, every key
+            tokens = cp.shard(tokens) if first_stage else tokens
+        h = self.tok_embeddings(tokens) if first_stage else tokens
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         if self.norm is None:
             return h
         logits = self.output(self.norm(h)) if self.output is not None else self.norm(h)
         if self.mtp is not None and self.training:
-            return self.mtp(h, tokens, logits, self, cos, sin, mask)
+            return self.mtp(h, whole_tokens, logits, self, cos, sin, mask)
         return logits
 
     @torch.no_grad()

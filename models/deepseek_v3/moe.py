@@ -247,17 +247,25 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_out, grad_scale.to(ctx.aux_dtype), None
 
 
-def sequence_balance_loss(scores_BSE: torch.Tensor, topk_idx_BSK: torch.Tensor) -> torch.Tensor:
+def sequence_balance_loss(scores_BSE: torch.Tensor, topk_idx_BSK: torch.Tensor,
+                          context_parallel=None) -> torch.Tensor:
     """DeepSeek-V3's complementary sequence-wise balance loss, summed over the sequences of the batch.
 
     Per sequence: f_i = E / (K S) * (tokens choosing expert i), P_i = mean over tokens of the normalised score of
     expert i, loss = sum_i f_i P_i (1.0 when perfectly balanced).
+
+    With `context_parallel`, the inputs hold this rank's tokens of each sequence: f counts the whole sequence (a
+    sum over the ranks, a constant to autograd) and P sums this rank's tokens only, so the ranks' results add up
+    to the loss of the whole sequences, and so do their gradients.
     """
     B, S, E = scores_BSE.shape
     K = topk_idx_BSK.shape[-1]
-    chosen_BSE = torch.zeros_like(scores_BSE).scatter_(2, topk_idx_BSK, 1.0)
-    f_BE = chosen_BSE.sum(dim=1) * (E / (K * S))
-    p_BE = (scores_BSE / scores_BSE.sum(dim=-1, keepdim=True)).mean(dim=1)
+    chosen_BE = torch.zeros_like(scores_BSE).scatter_(2, topk_idx_BSK, 1.0).sum(dim=1)
+    if context_parallel is not None:
+        chosen_BE = context_parallel.all_reduce_sum(chosen_BE)
+        S = S * context_parallel.degree
+    f_BE = chosen_BE * (E / (K * S))
+    p_BE = (scores_BSE / scores_BSE.sum(dim=-1, keepdim=True)).sum(dim=1) / S
     return (f_BE * p_BE).sum()
 
 
@@ -284,6 +292,9 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
         self.aux_loss_coeff = 0.0
         self.register_buffer("_aux_grad_scale", torch.ones((), dtype=torch.float64), persistent=False)
+        self.context_parallel = None
+        """This rank's `ContextParallel` when sequences are split over ranks (set by the parallelize plan): the
+        sequence-wise aux loss then counts each sequence's routing over all of its ranks."""
 
     @property
     def aux_loss_grad_scale(self) -> float:
@@ -320,8 +331,11 @@ class MoE(nn.Module):
             out_TD = out_TD + self.shared_experts(x_TD)
 
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
-            # sum form (x S tokens per sequence): divided by the global token count like the LM loss
-            aux = self.aux_loss_coeff * S * sequence_balance_loss(scores_TE.view(B, S, -1), topk_idx_TK.view(B, S, -1))
+            # sum form (x the tokens of a whole sequence): divided by the global token count like the LM loss
+            cp = self.context_parallel
+            seq_len = S * cp.degree if cp is not None else S
+            aux = self.aux_loss_coeff * seq_len * sequence_balance_loss(
+                scores_TE.view(B, S, -1), topk_idx_TK.view(B, S, -1), cp)
             out_TD = _AttachAuxLoss.apply(out_TD, aux, self._aux_grad_scale)
         return out_TD.view(B, S, D)
 

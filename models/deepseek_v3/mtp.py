@@ -43,10 +43,15 @@ class MTPModules(nn.Module):
                                     for k in range(args.num_mtp_layers))
 
     def forward(self, h, tokens, logits, model, cos, sin, mask):
+        """`tokens`: the whole sequences' tokens, also under context parallelism (`model.context_parallel`), where
+        h, logits, cos, sin and mask hold this rank's share: the shift crosses the ranks' chunk borders."""
         outs = [logits]
+        cp = model.context_parallel
         for k, mod in enumerate(self.layers, start=1):
             # position i needs t_{i+k}: the last k positions wrap around, and their targets are ignored by the loss
             future_tokens = torch.roll(tokens, shifts=-k, dims=1)
+            if cp is not None:
+                future_tokens = cp.shard(future_tokens)
             emb = model.tok_embeddings(future_tokens)
             h = mod.eh_proj(torch.cat([mod.enorm(emb), mod.hnorm(h)], dim=-1))
             h = mod.block(h, cos, sin, mask)

@@ -37,6 +37,7 @@ from core.names import ModuleDefaults
 from core.quantization import FP8_TILE, QUANTIZED_MM
 from parallelisms.activation_checkpoint.policy import ScopeRule, apply_ac
 from parallelisms.compile import CompileUnit, apply_compile, compiles_model
+from parallelisms.context_parallel import ContextParallel
 from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.fsdp import FSDPUnit, apply_fsdp
 from quantization.fp8.config import fp8_selection
@@ -85,6 +86,8 @@ def compile_problem(args) -> str | None:
 def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job: ParallelizeJob) -> nn.Module:
     """Parallelize `model` in place for the degrees in `parallel_dims` and return it."""
     par = job.parallelism
+    if parallel_dims.cp_enabled:
+        attach_context_parallel(model, ContextParallel.of_meshes(meshes))
     if parallel_dims.ep_enabled:
         # the backend's comm state is created here: never lazily inside a checkpointed region (torchtitan #2505)
         dtype = torch.bfloat16 if job.dtype == "bfloat16" else torch.float32
@@ -94,11 +97,22 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job: Parall
         quantize_dispatch(model, job.fp8)
     checkpoint_model(model, job.activation_checkpoint)
     compile_model(model, job.compile)
-    if parallel_dims.dp_enabled:
+    if parallel_dims.sharded:
         reshard = {"always": True, "never": False}.get(par.fsdp_reshard_after_forward,
                                                         not parallel_dims.pp_enabled)
         shard_model(model, meshes, job.dtype, job.reduce_dtype, reshard)
     return model
+
+
+def attach_context_parallel(model: nn.Module, context_parallel) -> None:
+    """Give the model part and every attention and MoE layer in it this rank's `ContextParallel`: the model keeps
+    its share of each sequence, attention gathers the whole sequence's compressed keys and values, the
+    sequence-wise aux loss counts the whole sequence."""
+    model.context_parallel = context_parallel
+    for block in blocks(model):
+        block.attention.context_parallel = context_parallel
+        if block.moe_enabled:
+            block.moe.context_parallel = context_parallel
 
 
 def quantize_dispatch(model: nn.Module, fp8_cfg) -> int:

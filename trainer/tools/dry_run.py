@@ -61,9 +61,13 @@ def inspect_rank(cfg, world_size: int, rank: int) -> dict:
                  if isinstance(t, torch.nn.Parameter)]
         numel = sum(_local_numel(p) for _, p in named)
         checkpointed = sum(isinstance(m, CheckpointWrapper) for part in parts for m in part.modules())
+        coords = dict(zip(meshes.world.mesh_dim_names, meshes.world.get_coordinate()))
+        if dims.cp_enabled:
+            # the same ranks read as (pp, dp_replicate, dp_shard, cp): which share of each sequence it holds
+            coords.update(dp_shard=(rank // dims.cp) % dims.dp_shard, cp=meshes.cp.get_local_rank())
         return {
             "rank": rank,
-            "coords": dict(zip(meshes.world.mesh_dim_names, meshes.world.get_coordinate())),
+            "coords": coords,
             "stages": stages,
             "params": numel,
             "param_bytes": 4 * numel,
@@ -105,8 +109,10 @@ def report(cfg, world_size: int) -> list[dict]:
 def print_report(rows: list[dict], world_size: int, cfg) -> None:
     """Human-readable table of `report`."""
     gib = 2 ** 30
-    print(f"dry run: {cfg.model.name}/{cfg.model.flavor} on {world_size} ranks "
-          f"(pp x dp_replicate x efsdp x ep, pp outermost)")
+    cp = cfg.parallelism.context_parallel_degree
+    layout = "pp x dp_replicate x efsdp x ep, pp outermost" + (
+        f"; efsdp x ep = dp_shard x cp with cp {cp} innermost" if cp > 1 else "")
+    print(f"dry run: {cfg.model.name}/{cfg.model.flavor} on {world_size} ranks ({layout})")
     for r in rows:
         print(f"rank {r['rank']:>5} {r['coords']}  stages: {'; '.join(r['stages'])}")
         print(f"    params {r['params'] / 1e9:.3f}B: weights {r['param_bytes'] / gib:.2f} GiB + grads "

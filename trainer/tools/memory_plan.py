@@ -153,9 +153,10 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
     par = cfg.parallelism
     names, stages = _stage_names(spec, args, dims, pp_rank, par) if dims.pp_enabled else (None, ["all"])
     B = par.pipeline_parallel_microbatch_size if dims.pp_enabled else cfg.training.local_batch_size
-    sh = Shape(B, cfg.training.seq_len, a, device, dims.ep, skew if dims.ep > 1 else 1.0)
-    shard = dims.dp_shard if dims.dp_enabled else 1
-    pbytes = 2 if bf16 and dims.dp_enabled else 4  # FSDP gathers in param_dtype
+    # with context parallelism a rank holds seq_len / cp tokens of each sequence
+    sh = Shape(B, cfg.training.seq_len // dims.cp, a, device, dims.ep, skew if dims.ep > 1 else 1.0, dims.cp)
+    shard = dims.fsdp_shard if dims.sharded else 1
+    pbytes = 2 if bf16 and dims.sharded else 4  # FSDP gathers in param_dtype
     stage = _stage_memory(spec, args, cfg, sh, names, pbytes, shard)
     first, last = stage.first, stage.last
     layer_ids = [b.layer for b in stage.blocks]
@@ -198,7 +199,7 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
     emb_kept = stage.embedding_kept if first else 0
     activations = in_flight * (sum(b["kept"] for b in blocks) + head_kept + emb_kept)
     unsaved_copies = 0
-    if bf16 and not dims.dp_enabled:
+    if bf16 and not dims.sharded:
         # autocast caches a bf16 copy of every weight for the whole forward; the matmuls save them for backward,
         # but a checkpointed block (full or per-op) recasts its weights in the recompute instead
         saved_copies = sum(b["unit"] // 2 for b in blocks if b["mode"] == "none")
@@ -212,9 +213,9 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
     # gradients comes after the block's backward, when its parameters and working set are freed. Forward holds 2
     # (prefetch). Without resharding after forward (`fsdp_reshard_after_forward`, the default with a pipeline)
     # every unit stays gathered from its forward to its backward.
-    # FSDP wraps the model whenever there is data parallelism: with a shard degree of 1 (replicas only) it still
-    # gathers into separate unsharded parameters and gradients
-    fsdp = dims.dp_enabled
+    # FSDP wraps the model whenever there is data (or context) parallelism: with a shard degree of 1 (replicas
+    # only) it still gathers into separate unsharded parameters and gradients
+    fsdp = dims.sharded
     reshard = par.fsdp_reshard_after_forward == "always" or (par.fsdp_reshard_after_forward == "default"
                                                              and not dims.pp_enabled)
     keep_gathered = fsdp and not reshard
@@ -297,11 +298,14 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
             "stages_per_rank": len(stages), "a2a_bytes": sum(b.a2a_bytes for b in stage.blocks),
             "a2a_recomputed_bytes": sum(b.a2a_bytes for b in stage.blocks if modes[b.layer] == "full" or (
                 modes[b.layer] == "op" and not save_ops & _COMM_OPS)),
+            "cp_bytes": sum(it.nbytes for b in stage.blocks for it in b.items if it.name.startswith("cp.")),
+            "cp_recomputed_bytes": sum(it.nbytes for b in stage.blocks for it in b.items
+                                       if it.name.startswith("cp.") and modes[b.layer] == "full"),
             "fsdp_unit_bytes": units if fsdp else [], "unit_element_bytes": pbytes, "hidden_bytes": stage.hidden_bytes,
             "grad_bytes": grads, "param_count": stage.param_numel, "token_bytes": hidden * max(a, 2)}
     return {
         "rank": pp_rank * (dims.world_size // dims.pp), "coords": {"pp": pp_rank, "dp_replicate": 0, "efsdp": 0,
-                                                                   "ep": 0},
+                                                                   "ep": 0, "cp": 0},
         "stages": stages, "layers": layer_ids,
         "ac_modes": sorted(set(modes.values())), "microbatch": [B, sh.S], "microbatches_in_flight": in_flight,
         "routing_skew": sh.skew, "comm_buffer_bytes": comm_buffers, "work": work,

@@ -62,6 +62,7 @@ class Layout:
     reshard: str
     ac: str
     fp8: str
+    cp: int = 1
 
     @classmethod
     def of_config(cls, cfg: JobConfig, world_size: int) -> "Layout":
@@ -70,7 +71,7 @@ class Layout:
         return cls(par.pipeline_parallel_degree, par.pipeline_parallel_schedule, par.data_parallel_replicate_degree,
                    validate_job(cfg, world_size).dp_shard, par.expert_parallel_degree,
                    par.expert_parallel_comm_backend, par.fsdp_reshard_after_forward, cfg.activation_checkpoint.mode,
-                   cfg.fp8.recipe)
+                   cfg.fp8.recipe, par.context_parallel_degree)
 
     @classmethod
     def of_row(cls, row: dict) -> "Layout":
@@ -86,6 +87,7 @@ class Layout:
                 "parallelism.expert_parallel_degree": self.ep,
                 "parallelism.expert_parallel_comm_backend": self.backend,
                 "parallelism.fsdp_reshard_after_forward": self.reshard,
+                "parallelism.context_parallel_degree": self.cp,
                 "activation_checkpoint.mode": self.ac, "fp8.recipe": self.fp8}
 
     def apply(self, cfg: JobConfig) -> JobConfig:
@@ -95,7 +97,8 @@ class Layout:
                                   data_parallel_replicate_degree=self.dp_replicate,
                                   data_parallel_shard_degree=self.dp_shard, expert_parallel_degree=self.ep,
                                   expert_parallel_comm_backend=self.backend,
-                                  fsdp_reshard_after_forward=self.reshard, auto=False)
+                                  fsdp_reshard_after_forward=self.reshard, context_parallel_degree=self.cp,
+                                  auto=False)
         ac = dataclasses.replace(cfg.activation_checkpoint, mode=self.ac)
         fp8 = dataclasses.replace(cfg.fp8, recipe=self.fp8)
         return dataclasses.replace(cfg, parallelism=par, activation_checkpoint=ac, fp8=fp8)
@@ -105,8 +108,9 @@ class Layout:
         pipe = f"pp={self.pp} {self.pp_schedule}" if self.pp > 1 else "pp=1"
         dp = f"hsdp={self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"fsdp={self.dp_shard}"
         ep = f"ep={self.ep} {self.backend}" if self.ep > 1 else "ep=1"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
         fp8 = f" fp8={self.fp8}" if self.fp8 != "none" else ""
-        return f"{pipe} {dp} {ep} reshard={self.reshard} ac={self.ac}{fp8}"
+        return f"{pipe} {dp}{cp} {ep} reshard={self.reshard} ac={self.ac}{fp8}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -121,6 +125,7 @@ _FIELD_KEYS = {"pp": ("parallelism", "pipeline_parallel_degree"),
                "ep": ("parallelism", "expert_parallel_degree"),
                "backend": ("parallelism", "expert_parallel_comm_backend"),
                "reshard": ("parallelism", "fsdp_reshard_after_forward"),
+               "cp": ("parallelism", "context_parallel_degree"),
                "ac": ("activation_checkpoint", "mode"), "fp8": ("fp8", "recipe")}
 
 
@@ -140,16 +145,35 @@ def candidates(cfg: JobConfig, ngpu: int, fixed: dict[str, object] | None = None
     fixed = fixed or {}
     schedules = ParallelismSection.__dataclass_fields__["pipeline_parallel_schedule"].metadata["choices"]
     fp8s = list(RECIPES) if cfg.fp8.recipe != "none" else ["none"]
-    # the degrees first (each depends on the previous), then the choices each degree allows
-    degrees = [(pp, rep, ngpu // (pp * rep), ep) for pp in _divisors(ngpu) for rep in _divisors(ngpu // pp)
-               for ep in _divisors(ngpu // (pp * rep))]
-    for pp, rep, shard, ep in degrees:
+    # the degrees first (each depends on the previous), then the choices each degree allows; EP borrows from
+    # dp_shard x cp
+    degrees = [(pp, rep, cp, ngpu // (pp * rep * cp), ep) for pp in _divisors(ngpu) for rep in _divisors(ngpu // pp)
+               for cp in _cp_degrees(cfg, ngpu // (pp * rep), fixed) for ep in _divisors(ngpu // (pp * rep))]
+    for pp, rep, cp, shard, ep in degrees:
         for schedule, backend, reshard, ac, fp8 in itertools.product(
                 schedules if pp > 1 else ["1F1B"], COMM_BACKENDS if ep > 1 else ["alltoall"],
-                ("always", "never") if shard > 1 else ("default",), _AC_MODES, fp8s):
-            layout = Layout(pp, schedule, rep, shard, ep, backend, reshard, ac, fp8)
+                ("always", "never") if shard * cp > 1 else ("default",), _AC_MODES, fp8s):
+            layout = Layout(pp, schedule, rep, shard, ep, backend, reshard, ac, fp8, cp)
             if all(_matches(layout, k, v) for k, v in fixed.items()):
                 yield layout
+
+
+CP_MIN_SEQ_LEN = 8192
+"""Shortest sequence for which the planner tries context parallelism unless the config sets its degree: below it,
+a sequence's activations are small beside the weights (DeepSeek-V3 itself pre-trained at 4096 without it)."""
+CP_MAX = 8
+"""Largest context-parallel degree tried: its all-gathers of every attention layer stay within a node."""
+
+
+def _cp_degrees(cfg: JobConfig, ranks: int, fixed: dict[str, object]) -> list[int]:
+    """Context-parallel degrees to try among `ranks`: the config's own when it sets one, else 1, and from
+    `CP_MIN_SEQ_LEN` tokens up every degree up to `CP_MAX` that splits the sequence into 2 * cp chunks."""
+    if "cp" in fixed:
+        return [fixed["cp"]] if ranks % fixed["cp"] == 0 else []
+    seq_len = cfg.training.seq_len
+    if seq_len < CP_MIN_SEQ_LEN:
+        return [1]
+    return [cp for cp in _divisors(ranks) if cp <= CP_MAX and seq_len % (2 * cp) == 0]
 
 
 def _matches(layout: Layout, field: str, value: object) -> bool:

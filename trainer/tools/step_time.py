@@ -12,11 +12,13 @@ predicts S). docs/memory.md, "Layout planner", writes the model down:
                microbatch, (s-1)/s of the bytes over NVLink or the network
     ep       = dispatch + combine token exchanges, forward, backward and any recompute replay, per MoE block and
                microbatch, (ep-1)/ep of the bytes; the part leaving the node over the network
+    cp       = all-gather of the compressed keys and values (forward, full-AC recompute) and reduce-scatter of their
+               gradients (backward), per block and microbatch, (cp-1)/cp of the whole sequences' bytes
     pp       = the hidden state and its gradient, per microbatch and stage boundary
     hsdp     = all-reduce of the sharded fp32 gradients over the replicas, once per step
     optimizer= AdamW's 28 bytes of memory traffic per local parameter over HBM
 
-    step = max(compute + bubble, fsdp) + first all-gather + ep + pp + hsdp + optimizer
+    step = max(compute + bubble, fsdp) + first all-gather + ep + cp + pp + hsdp + optimizer
 
 FSDP overlaps with compute through prefetching; the MoE all-to-alls sit on the critical path of the MoE layer.
 """
@@ -96,7 +98,7 @@ def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work
     compute = passes * flops * ((1 - fp8_fraction) + fp8_fraction / hw.fp8_speedup) / peak
     bubble = compute * bubble_fraction(schedule, dims.pp, work["microbatches"], work["stages_per_rank"])
 
-    s = dims.dp_shard
+    s = dims.fsdp_shard
     fsdp = first_gather = 0.0
     if work["fsdp_unit_bytes"]:
         bw = _bandwidth(hw, s, 1) * hw.collective_efficiency
@@ -114,6 +116,12 @@ def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work
         local = min(1.0, hw.gpus_per_node / dims.ep)
         ep = (moved * local / (hw.nvlink_gbps * 1e9) + moved * (1 - local) / (hw.network_gbps * 1e9)) / eff
 
+    cp = 0.0
+    if dims.cp > 1:
+        # the context-parallel ranks are the world's innermost: NVLink while cp fits in a node
+        bw = _bandwidth(hw, dims.cp, 1) * hw.collective_efficiency
+        cp = passes * (2 * work["cp_bytes"] + work["cp_recomputed_bytes"]) * (dims.cp - 1) / dims.cp / bw
+
     pp = 0.0
     if dims.pp > 1:
         bw = _bandwidth(hw, 2, dims.world_size // dims.pp) * hw.collective_efficiency
@@ -126,6 +134,6 @@ def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work
         hsdp = 2 * (r - 1) / r * work["grad_bytes"] / bw
 
     optimizer = 28 * work["param_count"] / (hw.hbm_gbps * 1e9)
-    total = max(compute + bubble, fsdp) + first_gather + ep + pp + hsdp + optimizer
-    return {"step_s": total, "compute_s": compute, "bubble_s": bubble, "fsdp_s": fsdp, "ep_s": ep, "pp_s": pp,
-            "hsdp_s": hsdp, "optimizer_s": optimizer}
+    total = max(compute + bubble, fsdp) + first_gather + ep + cp + pp + hsdp + optimizer
+    return {"step_s": total, "compute_s": compute, "bubble_s": bubble, "fsdp_s": fsdp, "ep_s": ep, "cp_s": cp,
+            "pp_s": pp, "hsdp_s": hsdp, "optimizer_s": optimizer}
