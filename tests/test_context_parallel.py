@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import sys
 
 import pytest
@@ -171,16 +172,15 @@ def test_two_ranks_model_parity_training_and_checkpoint_to_one_process(tmp_path,
     from dist_utils import torchrun_json
     from trainer.train import run
 
-    save = tmp_path / "cp2_ckpt"
-    jobs = {"model": {"model": True},
-            "cp2": TRAIN + _cp(2) + ["--job.dump_folder", str(tmp_path / "cp2")],
-            "cp2_save": {"args": TRAIN + _cp(2) + CKPT + ["--job.dump_folder", str(save)], "stop_after": 5}}
+    jobs = {"model": {"model": True}, "cp2": TRAIN + _cp(2) + CKPT + ["--job.dump_folder", str(tmp_path / "cp2")]}
     out = torchrun_json(2, os.path.abspath(__file__), jobs, tmp_path)
     _check_model_parity(out["model"])
     _assert_same_training(out["cp2"], one_process)
-    # resume the cp = 2 checkpoint of step 5 on one process
+    # resume the cp = 2 checkpoint of step 5 on one process (alone in a dump folder of its own)
+    resume = tmp_path / "resume"
+    shutil.copytree(tmp_path / "cp2" / "checkpoint" / "step-5", resume / "checkpoint" / "step-5")
     history: list[dict] = []
-    run(load_config(TRAIN + CKPT + ["--job.dump_folder", str(save)]), history=history)
+    run(load_config(TRAIN + CKPT + ["--job.dump_folder", str(resume)]), history=history)
     _assert_same_training(history, one_process[5:])
 
 

@@ -196,7 +196,7 @@ def test_listed_layouts_within_10_percent_of_measured(capsys):
     """A sample of the layouts the planner lists for the debug model on 4 ranks (pipelines, HSDP, EP with both
     backends, every AC mode): measured worst-rank peak within 10% of the prediction (all of them:
     benchmarks/plan_check.py)."""
-    rows = plan_check.check(4, 4, batch=2, seq=256, steps=3, skew=1.0)
+    rows = plan_check.check(4, 4, batch=2, seq=256, steps=2, skew=1.0)
     assert len(rows) == 4
     assert all(r["within_10pct"] for r in rows), rows
 
