@@ -85,9 +85,9 @@ class ContextParallel:
 
         Without `mask`, each chunk attends to the keys up to its own end only (no score of a later key is
         computed), under a lower-right causal mask: on CUDA torch's `causal_lower_right` bias, which the fused
-        kernels apply without building a mask; elsewhere a boolean [chunk, end] tensor (the CPU kernels build
-        the score matrix anyway, and the bias, a tensor subclass, cannot be created under the CPU memory tracker's
-        dispatch mode). With a boolean `mask` [B, 1, S / degree, S] (document masking: this rank's rows of the
+        kernels apply without building a mask; elsewhere, and under the exact memory tracker (whose dispatch mode
+        the bias, a tensor subclass, cannot be created under), a boolean [chunk, end] tensor (the CPU kernels
+        build the score matrix anyway). With a boolean `mask` [B, 1, S / degree, S] (document masking: this rank's rows of the
         whole sequence's mask), one masked call.
         """
         if mask is not None:
@@ -96,13 +96,21 @@ class ContextParallel:
         outs = []
         for q_chunk, index in zip(q_BHLd.split(chunk, dim=-2), self.chunks):
             end = (index + 1) * chunk
-            if q_chunk.device.type == "cuda":
-                causal = causal_lower_right(chunk, end)
-            else:
+            causal = _lower_right_bias(chunk, end) if q_chunk.device.type == "cuda" else None
+            if causal is None:
                 causal = torch.ones(chunk, end, dtype=torch.bool, device=q_chunk.device).tril(end - chunk)
             outs.append(F.scaled_dot_product_attention(q_chunk, k_BHSd[..., :end, :], v_BHSv[..., :end, :],
                                                        attn_mask=causal, scale=scale))
         return torch.cat(outs, dim=-2)
+
+
+def _lower_right_bias(rows: int, keys: int):
+    """torch's lower-right causal bias, or None where it cannot be created: the tensor subclass fails under a
+    dispatch mode that already holds its raw tensor (the exact memory tracker's)."""
+    try:
+        return causal_lower_right(rows, keys)
+    except RuntimeError:
+        return None
 
 
 def sequence_order(degree: int) -> tuple[int, ...]:

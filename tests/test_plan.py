@@ -88,6 +88,8 @@ def test_671b_on_512_gpus_plans_every_stage():
          "--parallelism.expert_parallel_degree", "2"]),
     (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.expert_parallel_degree", "2"]),
     (8, ["--parallelism.expert_parallel_degree", "4"]),
+    (4, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "64",
+         "--parallelism.expert_parallel_degree", "4"]),
     (8, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
          "--activation_checkpoint.mode", "none", "--parallelism.expert_parallel_degree", "2"]),
 ])
@@ -131,6 +133,38 @@ def test_step_time_parts_by_hand():
     assert t["optimizer_s"] == pytest.approx(28 * 1e9 / 1000e9)
     assert t["step_s"] == pytest.approx(max(compute * 1.25, fsdp) + 2e9 * 3 / 4 / 100e9 + t["ep_s"] + t["pp_s"]
                                         + t["hsdp_s"] + t["optimizer_s"])
+
+
+def test_step_time_counts_the_context_parallel_exchanges_and_shards_over_dp_shard_x_cp():
+    hw = Hardware(peak_tflops=100.0, efficiency=0.5, nvlink_gbps=100.0, network_gbps=10.0, hbm_gbps=1000.0,
+                  gpus_per_node=8, collective_efficiency=1.0)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, ep=1, pp=1, world_size=4, cp=4)
+    work = {"microbatches": 1, "forward_flops": 1e12, "recompute_flops": 0.0, "stages_per_rank": 1,
+            "fsdp_unit_bytes": [1e9], "unit_element_bytes": 2, "grad_bytes": 1e9, "a2a_bytes": 0,
+            "a2a_recomputed_bytes": 0, "hidden_bytes": 1e7, "param_count": 1e9, "cp_bytes": 1e8,
+            "cp_recomputed_bytes": 5e7}
+    t = step_time(dims, None, True, 2, work, 0.0, "alltoall", hw)
+    # two passes: the all-gather, its reduce-scatter and the full-AC replay, 3/4 of the bytes from other ranks
+    assert t["cp_s"] == pytest.approx(2 * (2e8 + 5e7) * 3 / 4 / 100e9)
+    # FSDP shards over dp_shard x cp = 4 ranks: resharding gathers twice, plus the fp32 gradients
+    assert t["fsdp_s"] == pytest.approx(2 * (2 * 1e9 + 1e9 / 2 * 4) * 3 / 4 / 100e9)
+
+
+def test_context_parallel_degrees_are_planned_from_8192_tokens():
+    from trainer.tools.plan import candidates
+
+    def degrees(ngpu, extra, fixed=None):
+        return {layout.cp for layout in candidates(load_config(DEBUG + extra), ngpu, fixed)}
+
+    assert degrees(8, ["--training.seq_len", "4096"]) == {1}
+    assert degrees(8, ["--training.seq_len", "8192"]) == {1, 2, 4, 8}
+    assert degrees(8, [], {"cp": 2}) == {2}
+    # EP borrows from dp_shard x cp: ep 4 over dp_shard 2 x cp 2
+    long = load_config(DEBUG + ["--training.seq_len", "8192"])
+    assert any(layout.cp == 2 and layout.dp_shard == 2 and layout.ep == 4 for layout in candidates(long, 4))
+    layout = next(layout for layout in candidates(long, 4) if layout.cp == 4)
+    assert layout.settings()["parallelism.context_parallel_degree"] == 4 and "cp=4" in layout.describe()
+    assert validate_job(layout.apply(long), 4).cp == 4
 
 
 def test_auto_picks_a_layout_keeping_explicit_keys():

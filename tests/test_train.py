@@ -187,7 +187,7 @@ def _cli(args, env_extra=None, cmd=None):
     (["--training.stepz", "3"], "training.stepz"),
     (["--training.steps", "0"], "training.steps"),
     (["--model.flavor", "huge"], "model.flavor"),
-    (["--training.seq_len", "4096"], "training.seq_len"),
+    (["--training.seq_len", "16384"], "training.seq_len"),
     (["--tokenizer.path", "missing.tiktoken"], "tokenizer.path"),
     (["--dataset.path", "/nonexistent/data.jsonl"], "dataset"),
     (["--parallelism.expert_parallel_degree", "3"], "parallelism.expert_parallel_degree"),

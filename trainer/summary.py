@@ -32,7 +32,7 @@ def run_hparams(cfg, dims) -> dict[str, Any]:
     return {"model": f"{cfg.model.name}/{cfg.model.hf_config_path or cfg.model.flavor}",
             "world_size": dims.world_size, "pp": dims.pp,
             "pp_schedule": par.pipeline_parallel_schedule if dims.pp > 1 else "-", "dp_replicate": dims.dp_replicate,
-            "dp_shard": dims.dp_shard, "ep": dims.ep, "comm_backend": par.expert_parallel_comm_backend,
+            "dp_shard": dims.dp_shard, "cp": dims.cp, "ep": dims.ep, "comm_backend": par.expert_parallel_comm_backend,
             "ac_mode": ac.mode, "ac_save_ops": ",".join(ac.save_ops) if ac.mode == "selective" else "-",
             "dtype": cfg.training.dtype, "fp8": cfg.fp8.recipe, "compile": cfg.compile.enable,
             "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len}
