@@ -22,7 +22,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-__all__ = ["ContextParallel", "sequence_order"]
+__all__ = ["ContextParallel", "own_share", "sequence_order"]
 
 # torch 2.13 deprecates the old name for the new one (same signature); a torch without the new name has the old
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -50,18 +50,10 @@ class ContextParallel:
             return None
         return cls(meshes.cp.get_group(), meshes.cp.size(), meshes.cp.get_local_rank())
 
-    def local_len(self, seq_len: int) -> int:
-        """Tokens of a `seq_len` sequence on one rank."""
-        return seq_len // self.degree
-
     def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's two chunks of `t` along `dim` (a whole sequence: its length a multiple of 2 * degree)."""
         parts = t.chunk(2 * self.degree, dim)
         return torch.cat([parts[c] for c in self.chunks], dim)
-
-    def positions(self, seq_len: int, device=None) -> torch.Tensor:
-        """Global positions [seq_len / degree] of this rank's tokens in a `seq_len` sequence."""
-        return self.shard(torch.arange(seq_len, device=device), 0)
 
     def gather(self, t_local: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The whole sequence from every rank's share `t_local` along `dim`, in sequence order; differentiable
@@ -87,8 +79,8 @@ class ContextParallel:
         computed), under a lower-right causal mask: on CUDA torch's `causal_lower_right` bias, which the fused
         kernels apply without building a mask; elsewhere, and under the exact memory tracker (whose dispatch mode
         the bias, a tensor subclass, cannot be created under), a boolean [chunk, end] tensor (the CPU kernels
-        build the score matrix anyway). With a boolean `mask` [B, 1, S / degree, S] (document masking: this rank's rows of the
-        whole sequence's mask), one masked call.
+        build the score matrix anyway). With a boolean `mask` [B, 1, S / degree, S] (document masking: this
+        rank's rows of the whole sequence's mask), one masked call.
         """
         if mask is not None:
             return F.scaled_dot_product_attention(q_BHLd, k_BHSd, v_BHSv, attn_mask=mask, scale=scale)
@@ -102,6 +94,11 @@ class ContextParallel:
             outs.append(F.scaled_dot_product_attention(q_chunk, k_BHSd[..., :end, :], v_BHSv[..., :end, :],
                                                        attn_mask=causal, scale=scale))
         return torch.cat(outs, dim=-2)
+
+
+def own_share(context_parallel: ContextParallel | None, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """This rank's share of `t`, whole sequences along `dim`: all of it without context parallelism."""
+    return t if context_parallel is None else context_parallel.shard(t, dim)
 
 
 def _lower_right_bias(rows: int, keys: int):

@@ -50,7 +50,7 @@ def test_the_split_holds_every_token_once_and_gathers_back_in_order(cp):
     assert all(s.shape == (2, x.shape[1] // cp) for s in shares)
     rank_major = torch.cat(shares, 1).chunk(2 * cp, 1)  # what an all-gather along the sequence returns
     assert torch.equal(torch.cat([rank_major[i] for i in sequence_order(cp)], 1), x)
-    positions = [ContextParallel(None, cp, r).positions(x.shape[1]) for r in range(cp)]
+    positions = [ContextParallel(None, cp, r).shard(torch.arange(x.shape[1]), 0) for r in range(cp)]
     assert torch.equal(torch.cat(positions).sort().values, torch.arange(x.shape[1]))
     assert torch.equal(positions[1], ContextParallel(None, cp, 1).shard(x[0], 0))
 
@@ -60,7 +60,7 @@ def test_every_rank_computes_the_same_number_of_causal_scores(cp):
     S = 8 * cp
     counts = []
     for r in range(cp):
-        share = ContextParallel(None, cp, r).positions(S)
+        share = ContextParallel(None, cp, r).shard(torch.arange(S), 0)
         counts.append(int((share + 1).sum()))  # query at position p sees p + 1 keys
     assert len(set(counts)) == 1, counts
 

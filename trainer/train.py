@@ -40,7 +40,7 @@ from core.config import ConfigError, config_to_toml
 from core.loss import ScaledLoss, count_valid_tokens
 from parallelisms.clip import clip_grad_norm_
 from parallelisms.compile import SECONDS_PER_GRAPH, compile_loss, first_compile
-from parallelisms.context_parallel import ContextParallel
+from parallelisms.context_parallel import ContextParallel, own_share
 from parallelisms.mesh import build_meshes
 from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.pipeline import build_schedule
@@ -238,11 +238,6 @@ class Trainer:
             set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
         logger.info("initial weights loaded from HF checkpoint %s", path)
 
-    def _own_tokens(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's share of a batch of whole sequences [B, S]: all of it, or its chunks under context
-        parallelism."""
-        return t if self.context_parallel is None else self.context_parallel.shard(t)
-
     def _all_reduce_sum(self, t: torch.Tensor, with_pp: bool = False) -> torch.Tensor:
         """Sum over the ranks holding other tokens, data- and context-parallel (and over pipeline stages when only
         the last stage holds a value)."""
@@ -292,7 +287,8 @@ class Trainer:
         with record_function("phase/data"):
             inputs, labels = self.train_loader.next_batch()
         self._advance("counting the batch's tokens")
-        global_tokens = self._all_reduce_sum(count_valid_tokens(self._own_tokens(labels)).to(self.device)).item()
+        own_labels = own_share(self.context_parallel, labels)
+        global_tokens = self._all_reduce_sum(count_valid_tokens(own_labels).to(self.device)).item()
         self.spec.hooks.before_step(self.model_parts, global_tokens)
 
         try:
@@ -320,7 +316,7 @@ class Trainer:
                 self._handle_nonfinite(step, loss, grad_norm.item())
             scalars = self.spec.hooks.post_optimizer_step(self.model_parts, cfg.moe, self.dp_group)
         scalars.update({"loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
-                        "local_tokens": float(self._own_tokens(inputs).numel()), "global_tokens": float(global_tokens)})
+                        "local_tokens": float(own_labels.numel()), "global_tokens": float(global_tokens)})
         return scalars
 
     def _handle_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
@@ -344,14 +340,14 @@ class Trainer:
                     raise PreemptedError
                 self._advance(f"validation batch {index + 1}/{self.cfg.validation.steps}")
                 inputs, labels = self.val_loader.next_batch()
-                tokens += count_valid_tokens(self._own_tokens(labels)).to(self.device)
+                tokens += count_valid_tokens(own_share(self.context_parallel, labels)).to(self.device)
                 for start in range(0, inputs.shape[0], lbs):
                     x = inputs[start:start + lbs].to(self.device)
                     y = labels[start:start + lbs].to(self.device)
                     with self.autocast:
                         if self.pipeline is not None:
-                            hidden = (*self._own_tokens(x).shape, self.model_args.dim)
-                            out = self.pipeline.forward(x, hidden)
+                            seq = x.shape[1] // (self.context_parallel.degree if self.context_parallel else 1)
+                            out = self.pipeline.forward(x, (x.shape[0], seq, self.model_args.dim))
                             if out is not None:
                                 total += self.loss_fn(out, y)
                             continue

@@ -103,7 +103,7 @@ def build_loss_fn(args: ModelArgs, context_parallel=None):
         return lambda output, labels: mtp_loss(output, labels, args.mtp_loss_weight, context_parallel)
     if context_parallel is None:
         return cross_entropy_sum
-    return lambda output, labels: cross_entropy_sum(output, context_parallel.shard(labels))
+    return lambda output, labels: cross_entropy_sum(output, _own_share(context_parallel, labels))
 
 
 def configure_model(model: DeepSeekV3Model, moe_cfg: MoESection) -> None:
@@ -142,6 +142,11 @@ def post_optimizer_step(model_parts, moe_cfg: MoESection, dp_group) -> dict[str,
     return dict(zip(names, torch.stack([v.float() for v in values]).tolist()))
 
 
+def _own_share(context_parallel, t: torch.Tensor) -> torch.Tensor:
+    """This rank's share of whole sequences `t` [B, S] (all of it without context parallelism)."""
+    return t if context_parallel is None else context_parallel.shard(t)
+
+
 def mtp_loss(output: torch.Tensor, labels: torch.Tensor, weight: float, context_parallel=None) -> torch.Tensor:
     """Summed main loss + weight / D * sum of the D MTP losses, for output [1 + D, B, S, V] in training.
 
@@ -150,18 +155,15 @@ def mtp_loss(output: torch.Tensor, labels: torch.Tensor, weight: float, context_
     `context_parallel`, `labels` are the whole sequences' and the output this rank's share: labels are shifted
     first, then sharded.
     """
-    def own(t: torch.Tensor) -> torch.Tensor:
-        return t if context_parallel is None else context_parallel.shard(t)
-
     if output.dim() == 3:
-        return cross_entropy_sum(output, own(labels))
+        return cross_entropy_sum(output, _own_share(context_parallel, labels))
     depth = output.shape[0] - 1
-    total = cross_entropy_sum(output[0], own(labels))
+    total = cross_entropy_sum(output[0], _own_share(context_parallel, labels))
     mtp_total = 0.0
     for k in range(1, depth + 1):
         shifted = torch.roll(labels, shifts=-k, dims=1)
         shifted[:, -k:] = IGNORE_INDEX
-        mtp_total = mtp_total + cross_entropy_sum(output[k], own(shifted))
+        mtp_total = mtp_total + cross_entropy_sum(output[k], _own_share(context_parallel, shifted))
     return total + (weight / depth) * mtp_total
 
 
