@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from small_models import SMALL, TINY, hf_config_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from trainer.checkpoint.files import list_checkpoints
@@ -18,7 +19,9 @@ from trainer.job_config import load_config
 from trainer.train import TrainingError, Trainer, prepare, run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "32",
+# The debug model's checkpoint is 378 MiB with the Adam state; these tests save up to 10 of them. SMALL's is 22 MiB.
+BASE = ["--job.config_file", "train_configs/debug_model.toml", "--model.hf_config_path", hf_config_file(SMALL),
+        "--training.seq_len", "32",
         "--training.global_batch_size", "4", "--training.local_batch_size", "4", "--validation.enable", "false",
         "--memory.track", "off", "--metrics.enable_tensorboard", "false", "--training.deterministic", "true",
         "--checkpoint.enable", "true", "--checkpoint.interval", "5"]
@@ -36,7 +39,10 @@ def _model_tensors(ckpt_dir, tmp_path):
 
 @pytest.mark.slow
 def test_resume_is_exact_and_data_neither_repeats_nor_skips(tmp_path, monkeypatch):
-    straight = run(_cfg(tmp_path / "straight", "--training.steps", "10"))
+    """Also the validation losses (every 4 steps): every validation reads the same batches, resumed or not."""
+    validation = ["--training.steps", "10", "--validation.enable", "true", "--validation.freq", "4"]
+    straight_history: list[dict] = []
+    straight = run(_cfg(tmp_path / "straight", *validation), history=straight_history)
     original = Trainer.train_step
 
     def interrupted(self, step):
@@ -46,11 +52,16 @@ def test_resume_is_exact_and_data_neither_repeats_nor_skips(tmp_path, monkeypatc
 
     monkeypatch.setattr(Trainer, "train_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        run(_cfg(tmp_path / "split", "--training.steps", "10"))
+        run(_cfg(tmp_path / "split", *validation))
     monkeypatch.setattr(Trainer, "train_step", original)
     assert list_checkpoints(tmp_path / "split" / "checkpoint") == [5]
-    resumed = run(_cfg(tmp_path / "split", "--training.steps", "10"))
+    resumed_history: list[dict] = []
+    resumed = run(_cfg(tmp_path / "split", *validation), history=resumed_history)
     assert resumed == straight[5:]  # bit-identical, deterministic mode
+    validated = {step: h["validation/loss"] for step, h in enumerate(resumed_history, 6) if "validation/loss" in h}
+    straight_validated = {step: h["validation/loss"] for step, h in enumerate(straight_history, 1)
+                          if "validation/loss" in h}
+    assert list(straight_validated) == [4, 8] and validated == {8: straight_validated[8]}
     a = _model_tensors(tmp_path / "straight" / "checkpoint" / "step-10", tmp_path)
     b = _model_tensors(tmp_path / "split" / "checkpoint" / "step-10", tmp_path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -246,19 +257,8 @@ def test_killed_rank_restarts_and_reaches_the_same_final_loss(tmp_path):
 # ----------------------------------------------------------------------------------------------- weights that differ
 
 def _small_config(tmp_path, **changes) -> str:
-    """An HF config.json of the debug flavor cut to 2 layers at width 64 (with `changes`): a model that builds,
-    trains a step and saves in about a second."""
-    import json
-
-    from models.deepseek_v3.args import FLAVORS
-    from models.deepseek_v3.hf import hf_config_from_args
-
-    args = FLAVORS["debugmodel"].replace(n_layers=2, dim=64, inter_dim=128, moe_inter_dim=32, n_heads=2,
-                                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                                         **changes)
-    path = tmp_path / f"config_{len(list(tmp_path.glob('config_*')))}.json"
-    path.write_text(json.dumps(hf_config_from_args(args)))
-    return str(path)
+    """An HF config.json of TINY (with `changes`): a model that builds, trains a step and saves in about a second."""
+    return hf_config_file(TINY.replace(**changes), tmp_path)
 
 
 def _small_argv(config: str, dump, *args) -> list[str]:

@@ -78,6 +78,9 @@ class Trainer:
         cfg = self.cfg = prep.cfg
         self.dims, self.spec, self.device = prep.dims, prep.spec, device
         self.train_loader, self.val_loader = prep.train_loader, prep.val_loader
+        # every validation reads the same first batches: losses comparable across steps and a resumed run's equal to
+        # a straight run's (the loader's position is not in the checkpoint because it never moves)
+        self._val_start = self.val_loader.state_dict() if self.val_loader is not None else None
         self.rank = devices.rank()
         self.meshes = build_meshes(self.dims, device.type) if dist.is_initialized() else None
         self.dp_group = self.meshes.group("dp") if self.meshes is not None else None
@@ -328,7 +331,9 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
-        """Mean loss over `validation.steps` batches, in eval mode with no_grad (no expert-bias counting)."""
+        """Mean loss over the first `validation.steps` batches of the validation data, in eval mode with no_grad
+        (no expert-bias counting)."""
+        self.val_loader.load_state_dict(self._val_start)
         for part in self.model_parts:
             part.eval()
         total = torch.zeros((), device=self.device)
