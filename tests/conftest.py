@@ -1,7 +1,11 @@
-"""Shared test set-up: no network, no CUDA assumptions, the repo root importable and as working directory."""
+"""Shared test set-up: no network, no CUDA assumptions, the repo root importable and as working directory, and a
+bounded disk footprint (every temporary file under one folder removed at the end; a per-test budget)."""
 
+import getpass
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -13,6 +17,63 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TIKTOKEN_CACHE_DIR"] = ""
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
+
+
+#: What one test may leave under its tmp_path when it ends. CI shares a disk of a few tens of GB with other jobs; a
+#: run that filled it (debug-model checkpoints every few steps, kept by every test) failed 150 tests.
+DISK_BUDGET_BYTES = 1 << 30
+
+
+def pytest_configure(config):
+    """Send every temporary file of the session (test modules, worker processes, torchrun's torchelastic_* logs,
+    which a killed launcher leaves behind) to one folder, removed in `pytest_unconfigure`."""
+    # torch keeps its compile cache under the temporary folder; keep it where a user's runs keep it.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+    config._session_tmp = tempfile.mkdtemp(prefix="trainer-tests-")
+    os.environ["TMPDIR"] = config._session_tmp
+    tempfile.tempdir = None
+
+
+def pytest_unconfigure(config):
+    """Remove the session's temporary folder (see `pytest_configure`)."""
+    folder = getattr(config, "_session_tmp", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _tree_bytes(path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+@pytest.fixture(autouse=True)
+def _disk_budget(request):
+    """Fail a test that leaves more than `DISK_BUDGET_BYTES` under its tmp_path (passing tests' folders are then
+    removed: `tmp_path_retention_policy = "failed"` in pyproject.toml)."""
+    # requested here, tmp_path is torn down (and removed) after this check, not before
+    path = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if path is None:
+        return
+    used = _tree_bytes(path)
+    assert used <= DISK_BUDGET_BYTES, \
+        f"the test left {used / 2**20:.0f} MiB under its tmp_path, over the {DISK_BUDGET_BYTES >> 20} MiB budget"
+
+
+@pytest.fixture(scope="module")
+def module_tmp_path(tmp_path_factory):
+    """A folder shared by one module's tests, removed when the module ends (tmp_path_factory's would stay to the
+    end of the session)."""
+    folder = tmp_path_factory.mktemp("module")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

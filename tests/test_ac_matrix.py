@@ -22,26 +22,17 @@ launch about 150 s, the 8-rank one about 60 s, the 2-rank one 20 s, the one-proc
 """
 
 import itertools
-import json
-import os
-import tempfile
 
 import pytest
 from dist_utils import launch as _launch
+from small_models import SMALL, hf_config_file
 
-from models.deepseek_v3.args import FLAVORS
-from models.deepseek_v3.hf import hf_config_from_args
 from trainer.job_config import load_config
 from trainer.train import run
 
-# The debug model's shapes cut to width 128 (the FP8 tile) and 3 layers (1 dense, 2 MoE, 8 experts, MLA): every piece
-# of a block is there, and the FSDP/EP traffic that dominates a step on gloo ranks is a tenth of the debug model's.
-SMALL = FLAVORS["debugmodel"].replace(n_layers=3, dim=128, inter_dim=256, moe_inter_dim=128, n_heads=4,
-                                      kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32)
-SMALL_CONFIG = os.path.join(tempfile.mkdtemp(prefix="ac_matrix_"), "config.json")
-with open(SMALL_CONFIG, "w") as _f:
-    json.dump(hf_config_from_args(SMALL), _f)
-BASE = ["--job.config_file", "train_configs/debug_model.toml", "--model.hf_config_path", SMALL_CONFIG,
+# SMALL (tests/small_models.py): the FSDP/EP traffic that dominates a step on gloo ranks is a tenth of the debug
+# model's.
+BASE = ["--job.config_file", "train_configs/debug_model.toml", "--model.hf_config_path", hf_config_file(SMALL),
         "--training.seq_len", "16", "--training.global_batch_size", "8", "--training.steps", "2",
         "--validation.enable", "false", "--memory.track", "off", "--metrics.enable_tensorboard", "false",
         "--training.deterministic", "true"]
@@ -131,15 +122,15 @@ def _history(extra: list[str], tmp) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
+def references(module_tmp_path):
     """One process per AC mode (the matrix's "1 process" layout), and without AC in bf16 and with FP8 blockwise
     (whose microbatches are single sequences, like the FP8 cells': its weight gradients' token tiles then match).
     The bf16 and FP8 cells of every AC mode are held against those: a recompute replays the same ops on the same
     inputs, so one process gives the same numbers in every AC mode (`test_one_process_ac_modes_agree`, bit for
     bit)."""
-    refs = {ac: _history(args, tmp_path_factory.mktemp(f"ref_{ac}")) for ac, args in AC.items()}
-    refs["bf16"] = _history(BF16, tmp_path_factory.mktemp("ref_bf16"))
-    refs["fp8"] = _history(FP8, tmp_path_factory.mktemp("ref_fp8"))
+    refs = {ac: _history(args, module_tmp_path / f"ref_{ac}") for ac, args in AC.items()}
+    refs["bf16"] = _history(BF16, module_tmp_path / "ref_bf16")
+    refs["fp8"] = _history(FP8, module_tmp_path / "ref_fp8")
     return refs
 
 

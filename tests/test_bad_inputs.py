@@ -32,12 +32,12 @@ def _tree_digest(folder) -> str:
 
 
 @pytest.fixture(scope="module")
-def good_checkpoint(tmp_path_factory):
+def good_checkpoint(module_tmp_path):
     """A real 1-step checkpoint of the debug model (in <dump>/checkpoint/step-1)."""
     from trainer.job_config import load_config
     from trainer.train import run
 
-    dump = tmp_path_factory.mktemp("ckpt")
+    dump = module_tmp_path / "ckpt"
     run(load_config(BASE + ["--job.dump_folder", str(dump), "--training.steps", "1", "--validation.enable", "false",
                             "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true"]))
     return dump

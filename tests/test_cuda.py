@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.model import DeepSeekV3Model, attention

@@ -180,15 +180,15 @@ def _check_host_syncs(syncs: dict) -> None:
 
 
 def _check_training(train: dict, pairs: list[tuple[str, str]]) -> None:
-    for deepep, alltoall in pairs:
-        got, want = train[deepep], train[alltoall]
+    for with_deepep, alltoall in pairs:
+        got, want = train[with_deepep], train[alltoall]
         for key, rel in (("loss", 1e-6), ("validation/loss", 1e-6), ("grad_norm", 1e-5)):
             a, b = [h[key] for h in got], [h[key] for h in want]
-            assert a == pytest.approx(b, rel=rel), (deepep, key, a, b)
+            assert a == pytest.approx(b, rel=rel), (with_deepep, key, a, b)
         assert [h["moe/live_handles"] for h in got] == [0.0] * len(got)
         assert got[0]["memory/deepep_buffer_GiB"] > 0
         allocated = [h["memory/allocated_GiB"] for h in got]
-        assert len(set(allocated[1:])) == 1, (deepep, allocated)  # train + validation steps: flat
+        assert len(set(allocated[1:])) == 1, (with_deepep, allocated)  # train + validation steps: flat
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ def assert_ends_with_one_line(result, code: int, *contains: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def transformers_checkpoint(tmp_path_factory):
+def transformers_checkpoint(module_tmp_path):
     """A tiny DeepseekV3ForCausalLM saved by transformers: its config.json declares one MTP layer
     (num_nextn_predict_layers = 1), its safetensors hold none (transformers' model has no MTP)."""
     transformers = pytest.importorskip("transformers")
@@ -50,7 +50,7 @@ def transformers_checkpoint(tmp_path_factory):
         v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
         n_group=1, topk_group=1, max_position_embeddings=256, num_nextn_predict_layers=1)
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("hf")
+    path = module_tmp_path / "hf"
     transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(path)
     assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] == 1
     return path

@@ -14,9 +14,8 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from small_models import TINY, hf_config_file
 
-from models.deepseek_v3.args import FLAVORS
-from models.deepseek_v3.hf import hf_config_from_args
 from trainer.job_config import load_config
 from trainer.memory.leak_detector import ALARM_TAG, SLOPE_TAG, LeakDetector, MemoryLeakError, theil_sen_slope
 from trainer.memory.monitor import MemoryMonitor
@@ -153,13 +152,9 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def small_model_config(tmp_path_factory):
+def small_model_config(module_tmp_path):
     """An HF config.json of the debug flavor cut down to 2 layers (1 dense + 1 MoE) at width 64."""
-    args = FLAVORS["debugmodel"].replace(n_layers=2, dim=64, inter_dim=128, moe_inter_dim=32, n_heads=2,
-                                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    path = tmp_path_factory.mktemp("small_model") / "config.json"
-    path.write_text(json.dumps(hf_config_from_args(args)))
-    return str(path)
+    return hf_config_file(TINY, module_tmp_path)
 
 
 def make_trainer(small_model_config, dump, *overrides) -> Trainer:

@@ -132,8 +132,7 @@ def test_peak_of_training_step_with_temporary_then_reset():
         for step in range(5):
             train_step(model, optimizer)
             if step == temp_step:
-                scratch = torch.empty(4 * MiB // FLOAT_BYTES)
-                del scratch
+                torch.empty(4 * MiB // FLOAT_BYTES)  # a temporary: freed at once, seen only in the step's peak
             peaks.append(monitor.step_end())
     with_temp = peaks[temp_step]
     assert with_temp.peak_bytes >= with_temp.allocated_bytes + 4 * MiB

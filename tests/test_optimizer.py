@@ -1,16 +1,14 @@
 """The optimizer: tiling into parameter groups, bit-identical steps, the capped transient, LR schedule and state."""
 
 import copy
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
+from small_models import TINY, hf_config_file
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from models.deepseek_v3.args import FLAVORS
-from models.deepseek_v3.hf import hf_config_from_args
 from trainer.job_config import load_config
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory.monitor import MemoryMonitor
@@ -124,10 +122,7 @@ def test_state_dict_round_trip_and_dcp_across_tilings():
 
 def test_trainer_tiled_run_is_bit_identical(tmp_path):
     """The real training step (clipping, LR schedule, MoE bias update) on a small DeepSeek-V3, tiled vs not."""
-    args = FLAVORS["debugmodel"].replace(n_layers=2, dim=64, inter_dim=128, moe_inter_dim=32, n_heads=2,
-                                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    hf_config = tmp_path / "config.json"
-    hf_config.write_text(json.dumps(hf_config_from_args(args)))
+    hf_config = hf_config_file(TINY, tmp_path)
     params = {}
     for max_group_bytes in (0, 64 << 10):
         cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder",

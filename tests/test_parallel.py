@@ -28,9 +28,9 @@ def launch(nproc: int, jobs: dict, tmp_path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(module_tmp_path):
     """One process, the whole global batch in one microbatch: per-step loss, global grad norm, validation loss."""
-    tmp = tmp_path_factory.mktemp("ref")
+    tmp = module_tmp_path / "ref"
     history = []
     run(load_config(BASE + ["--job.dump_folder", str(tmp), "--training.local_batch_size", "4"]), history=history)
     return history
@@ -128,12 +128,12 @@ ROWWISE = ["--fp8.recipe", "rowwise"]
 
 
 @pytest.fixture(scope="module")
-def fp8_references(tmp_path_factory):
+def fp8_references(module_tmp_path):
     """One process per recipe, one sequence per microbatch (gradient accumulation over the 4), as every parallel
     job below runs its microbatches: the weight gradients' token tiles then hold the same tokens."""
     histories = {}
     for recipe, flags in (("blockwise", FP8), ("rowwise", ROWWISE)):
-        tmp = tmp_path_factory.mktemp(f"fp8_ref_{recipe}")
+        tmp = module_tmp_path / f"fp8_ref_{recipe}"
         histories[recipe] = []
         run(load_config(BASE + flags + ["--job.dump_folder", str(tmp)]), history=histories[recipe])
     return histories
