@@ -51,7 +51,7 @@ TRAIN_BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training
               "--training.global_batch_size", "4", "--training.local_batch_size", "1", "--training.steps", "4",
               "--validation.enable", "true", "--validation.freq", "1", "--validation.steps", "1",
               "--memory.leak_window", "0", "--metrics.enable_tensorboard", "false",
-              "--training.deterministic", "true", "--model.flavor", "debugmodel", "--model.n_layers", "3"]
+              "--training.deterministic", "true"]
 TRAIN_KEYS = ("loss", "grad_norm", "validation/loss", "memory/allocated_GiB", "moe/live_handles",
               "memory/deepep_buffer_GiB")
 
@@ -128,8 +128,10 @@ def test_registry_owns_handles_until_taken_or_dropped():
 
 def _launch(nproc: int, jobs: dict, tmp_path) -> dict:
     from dist_utils import torchrun_json
+    from small_models import SMALL, hf_config_file
 
-    jobs = dict(jobs, train={name: TRAIN_BASE + ["--job.dump_folder", str(tmp_path / name)] + args
+    base = TRAIN_BASE + ["--model.hf_config_path", hf_config_file(SMALL, tmp_path)]
+    jobs = dict(jobs, train={name: base + ["--job.dump_folder", str(tmp_path / name)] + args
                              for name, args in jobs.get("train", {}).items()})
     return torchrun_json(nproc, os.path.abspath(__file__), jobs, tmp_path, timeout=600)
 
