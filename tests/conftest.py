@@ -19,17 +19,21 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 
-#: What one test may leave under its tmp_path when it ends. CI shares a disk of a few tens of GB with other jobs; a
-#: run that filled it (debug-model checkpoints every few steps, kept by every test) failed 150 tests.
+#: What one test may leave under its tmp_path when it ends. A CI run once failed on a full disk: every run left
+#: 15-19 GB of debug-model checkpoints, and pytest keeps the folders of the last sessions.
 DISK_BUDGET_BYTES = 1 << 30
 
 
 def pytest_configure(config):
     """Send every temporary file of the session (test modules, worker processes, torchrun's torchelastic_* logs,
     which a killed launcher leaves behind) to one folder, removed in `pytest_unconfigure`."""
-    # torch keeps its compile cache under the temporary folder; keep it where a user's runs keep it.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                          os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+    # torch keeps its compile cache under the temporary folder; keep it where a user's runs keep it (a user
+    # without a name, as in some containers, gets a cache per session instead).
+    try:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                              os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+    except (KeyError, OSError):
+        pass
     config._session_tmp = tempfile.mkdtemp(prefix="trainer-tests-")
     os.environ["TMPDIR"] = config._session_tmp
     tempfile.tempdir = None
