@@ -78,8 +78,8 @@ class Trainer:
         cfg = self.cfg = prep.cfg
         self.dims, self.spec, self.device = prep.dims, prep.spec, device
         self.train_loader, self.val_loader = prep.train_loader, prep.val_loader
-        # every validation reads the same first batches: losses comparable across steps and a resumed run's equal to
-        # a straight run's (the loader's position is not in the checkpoint because it never moves)
+        # every validation starts from here and reads the same batches: losses comparable across steps, and a resumed
+        # run's equal to a straight run's without the validation loader's position in the checkpoint
         self._val_start = self.val_loader.state_dict() if self.val_loader is not None else None
         self.rank = devices.rank()
         self.meshes = build_meshes(self.dims, device.type) if dist.is_initialized() else None
