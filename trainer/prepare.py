@@ -16,6 +16,7 @@ from core.config import ConfigError
 from core.model_spec import ModelSpec
 from parallelisms.activation_checkpoint.config import save_ops_warning
 from parallelisms.parallel_dims import ParallelDims
+from trainer import device as devices
 from trainer.checkpoint.files import CheckpointError, latest_checkpoint
 from trainer.checkpoint.weights import WeightMismatch, check_checkpoint
 from trainer.data.for_job import build_loader, holds_out
@@ -23,6 +24,7 @@ from trainer.data.loader import PackedDataLoader
 from trainer.job_config import JobConfig, model_job, validate_job
 from trainer.registry import available_models, get_model_spec
 from trainer.tokenizer import Tokenizer, build_tokenizer
+from trainer.tools.plan import check_model, choose_layout
 
 __all__ = ["Prepared", "prepare", "warn_settings_without_effect"]
 
@@ -86,9 +88,6 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
 def _auto_layout(cfg: JobConfig, world_size: int) -> tuple[JobConfig, str]:
     """`cfg` with the layout the planner chooses for this machine's memory (`parallelism.auto_device_memory_gib`,
     or measured), and the line that names it."""
-    from trainer import device as devices
-    from trainer.tools.plan import check_model, choose_layout
-
     check_model(cfg)
     gib = cfg.parallelism.auto_device_memory_gib or devices.memory_per_rank_bytes(world_size) / 2 ** 30
     return choose_layout(cfg, world_size, gib, devices.device_type())

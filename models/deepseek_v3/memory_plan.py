@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 from core.quantization import FP8_TILE
 from quantization.fp8.accounting import gemm_backward_extra_bytes
 from quantization.fp8.config import Fp8Selection, fp8_selection
@@ -19,6 +21,7 @@ from core.model_config import MoESection
 
 from .args import ModelArgs
 from .flops import block_gemms
+from .model import DeepSeekV3Model
 from .moe import CPU_GROUP_ALIGN, padded_rows
 from .parallelize import MODULE_DEFAULTS
 
@@ -173,10 +176,6 @@ def param_shapes(args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
     args): the model itself is the one source of its shapes."""
     key = dataclasses.astuple(args)
     if key not in _SHAPES:
-        import torch
-
-        from .model import DeepSeekV3Model
-
         with torch.device("meta"):
             model = DeepSeekV3Model(args)
         _SHAPES[key] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]

@@ -33,7 +33,7 @@ from parallelisms.parallel_dims import ParallelismSection
 from quantization.fp8.accounting import fp8_flops_per_token
 from quantization.fp8.config import RECIPES, fp8_selection
 from trainer.job_config import JobConfig, load_config, model_job, validate_job
-from trainer.registry import get_model_spec
+from trainer.registry import available_models, get_model_spec
 from trainer.tools.memory_plan import plan_rank
 from trainer.tools.step_time import Hardware, step_time
 
@@ -434,8 +434,6 @@ def main(argv: list[str]) -> None:
 
 def check_model(cfg: JobConfig) -> None:
     """ConfigError for an unknown model or flavor, before any layout is tried (each would be refused for it)."""
-    from trainer.registry import available_models
-
     try:
         spec = get_model_spec(cfg.model.name)
     except KeyError:
