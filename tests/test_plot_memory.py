@@ -163,3 +163,33 @@ def test_cli_without_event_files_fails_with_one_line(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip() == (f"no tensorboard runs in {tmp_path}: expected a dump folder (with "
                                      "tb/<run id>/), its tb folder or a run folder")
+
+
+def _figure_of(run, out):
+    """The matplotlib figure `render` draws for `run` (its savefig intercepted)."""
+    from matplotlib.figure import Figure
+
+    figures, save = [], Figure.savefig
+    Figure.savefig = lambda fig, path, **kw: (figures.append(fig), save(fig, path, **kw))[-1]
+    try:
+        render(run, str(out))
+    finally:
+        Figure.savefig = save
+    [fig] = figures
+    return fig
+
+
+@pytest.mark.parametrize("ranks", [[0], [0, 1], list(range(12))], ids=["one process", "2 ranks", "12 ranks (bands)"])
+def test_a_run_of_one_step_draws_markers_not_empty_panels(tmp_path, ranks):
+    """A 1-step run (a smoke test, a run that failed at step 2) has one point per series: a line through one point
+    draws nothing, so every series with few points is drawn with markers; long series stay plain lines."""
+    write_run(tmp_path, ranks=ranks, steps=1, log_slope=True)
+    fig = _figure_of(load_run(find_run(str(tmp_path))), tmp_path / "memory.png")
+    drawn = [line for ax in fig.axes for line in ax.get_lines() if len(line.get_xdata()) == 1]
+    assert len(drawn) >= 3, [ax.get_lines() for ax in fig.axes]  # tensor memory, RSS, slope
+    assert all(line.get_marker() not in (None, "None", "", " ") for line in drawn), \
+        [(line.get_label(), line.get_marker()) for line in drawn]
+    write_run(tmp_path, ranks=[0, 1], steps=40, run="20250101-130000")
+    fig = _figure_of(load_run(find_run(str(tmp_path))), tmp_path / "long.png")
+    long = [line for ax in fig.axes for line in ax.get_lines() if len(line.get_xdata()) == 40]
+    assert long and all(line.get_marker() in (None, "None", "", " ") for line in long)

@@ -14,7 +14,8 @@ Three panels: tensor memory (the peak within each step and the memory left at st
 reserved bytes, and the leak slope against its threshold. Up to `MAX_RANK_LINES` ranks with their own curves get one
 line each; beyond, each pipeline stage is a band from its smallest to its largest rank with its median as a line,
 and the rank with the largest peak is drawn on its own and named. The legend sits beside the axes and the verdicts
-are summarised above them, one line per distinct verdict, so the figure stays readable at any rank count. Needs
+are summarised above them, one line per distinct verdict, so the figure stays readable at any rank count. A
+series of few points (a run of 1 to 20 steps) gets a marker at each point, so a 1-step run is not empty. Needs
 matplotlib (the ``plot`` extra).
 """
 
@@ -42,6 +43,9 @@ MAX_RANK_LINES = 8
 """Ranks with their own curves drawn one line each; more are drawn as bands per pipeline stage."""
 MAX_VERDICT_LINES = 6
 """Distinct verdicts shown; the rest are counted in one last line."""
+MARKERS_UP_TO = 20
+"""A series of at most this many points is drawn with a marker at each point: a line through one point (a 1-step
+run) draws nothing, and a few points are easier to read as dots."""
 
 Series = tuple[list[int], list[float]]
 
@@ -242,13 +246,23 @@ def load_run(run_dir: str, warmup_steps: int = 5, window: int = 10, threshold_Mi
     return result
 
 
+def _plot(ax, steps: list[int], values: list[float], style: str, **kwargs) -> None:
+    """One series as a line, with a marker at each point when it has few (`MARKERS_UP_TO`)."""
+    if len(steps) <= MARKERS_UP_TO:
+        kwargs.setdefault("marker", "o")
+        kwargs.setdefault("markersize", 4)
+    ax.plot(steps, values, style, **kwargs)
+
+
 def _band(ax, stats: dict[str, Series], color: str, label: str, style: str = "-") -> None:
     """min..max filled, the median as a line."""
     if "min" in stats and "max" in stats:
         steps, low = stats["min"]
         ax.fill_between(steps, low, stats["max"][1], color=color, alpha=0.25, linewidth=0)
+        if len(steps) <= MARKERS_UP_TO:  # a band over one step has no width: its ends as ticks
+            ax.plot(steps + steps, low + stats["max"][1], "_", color=color, markersize=8)
     if "median" in stats:
-        ax.plot(*stats["median"], style, color=color, linewidth=1.2, label=label)
+        _plot(ax, *stats["median"], style, color=color, linewidth=1.2, label=label)
 
 
 def _groups(run: RunMemory, tag: str) -> list[tuple[str, dict[str, Series]]]:
@@ -290,6 +304,10 @@ def render(run: RunMemory, out_path: str, threshold_MiB_per_step: float = 0.1, t
     ax_slope.set_ylabel("leak slope (MiB/step)")
     ax_slope.set_xlabel("step")
     ax_slope.xaxis.set_major_locator(MaxNLocator(integer=True))
+    low, high = ax_slope.get_xlim()
+    if high - low < 2:  # one or two steps: whole steps on the axis, not 0.945 ... 1.050
+        middle = round((low + high) / 2)
+        ax_slope.set_xlim(middle - 1, middle + 1)
     for ax in (ax_mem, ax_host):
         ax.tick_params(labelbottom=False)  # the panels share the step axis: labelled once, at the bottom
     for ax in (ax_mem, ax_host, ax_slope):
@@ -308,16 +326,16 @@ def _draw_ranks(ranks: list[RankSeries], ax_mem, ax_host, ax_slope) -> None:
         label = f"rank {run.rank}"
         for tag, style, what in ((PEAK, "--", "peak"), (ALLOCATED, "-", "step end")):
             if tag in run.series:
-                ax_mem.plot(*run.series[tag], style, color=color, label=f"{label} {what}")
+                _plot(ax_mem, *run.series[tag], style, color=color, label=f"{label} {what}")
         if RSS in run.series:
-            ax_host.plot(*run.series[RSS], "-", color=color, label=f"{label} RSS")
+            _plot(ax_host, *run.series[RSS], "-", color=color, label=f"{label} RSS")
         if RESERVED in run.series:
-            ax_host.plot(*run.series[RESERVED], "--", color=color, label=f"{label} CUDA reserved")
+            _plot(ax_host, *run.series[RESERVED], "--", color=color, label=f"{label} CUDA reserved")
         if SLOPE_TAG in run.series:
-            ax_slope.plot(*run.series[SLOPE_TAG], "-", color=color, label=f"{label} (logged)")
+            _plot(ax_slope, *run.series[SLOPE_TAG], "-", color=color, label=f"{label} (logged)")
         elif run.verdicts:
-            ax_slope.plot([v.step for v in run.verdicts], [v.slope_MiB_per_step for v in run.verdicts], "-",
-                          color=color, label=f"{label} (recomputed)")
+            _plot(ax_slope, [v.step for v in run.verdicts], [v.slope_MiB_per_step for v in run.verdicts], "-",
+                  color=color, label=f"{label} (recomputed)")
         if run.alarm is not None:
             for ax in (ax_mem, ax_slope):
                 ax.axvline(run.alarm.step, color=color, linestyle=":", linewidth=1.5)
@@ -339,18 +357,18 @@ def _draw_bands(run: RunMemory, ax_mem, ax_host, ax_slope) -> None:
     worst = run.worst_rank()
     own = next((r for r in run.ranks if r.rank == worst), None)
     if own is not None and PEAK in own.series:
-        ax_mem.plot(*own.series[PEAK], "-", color="black", linewidth=1.5, label=f"rank {worst} (largest peak)")
+        _plot(ax_mem, *own.series[PEAK], "-", color="black", linewidth=1.5, label=f"rank {worst} (largest peak)")
     elif PEAK in run.spread and "max" in run.spread[PEAK]:
-        ax_mem.plot(*run.spread[PEAK]["max"], "-", color="black", linewidth=1.5,
-                    label=f"largest peak (mostly rank {worst})")
+        _plot(ax_mem, *run.spread[PEAK]["max"], "-", color="black", linewidth=1.5,
+              label=f"largest peak (mostly rank {worst})")
     slope = run.spread.get(SLOPE_TAG, {})
     if "max" in slope:
-        ax_slope.plot(*slope["max"], "-", color="C3", label="largest over the ranks")
+        _plot(ax_slope, *slope["max"], "-", color="C3", label="largest over the ranks")
     elif run.ranks:
         leaking = [r for r in run.ranks if r.leaking][:MAX_RANK_LINES]
         for r in leaking:
-            ax_slope.plot([v.step for v in r.verdicts], [v.slope_MiB_per_step for v in r.verdicts], "-",
-                          label=f"rank {r.rank} (recomputed)")
+            _plot(ax_slope, [v.step for v in r.verdicts], [v.slope_MiB_per_step for v in r.verdicts], "-",
+                  label=f"rank {r.rank} (recomputed)")
     for step, rank in run.alarms[:1]:
         for ax in (ax_mem, ax_slope):
             ax.axvline(step, color="C3", linestyle=":", linewidth=1.5, label=f"leak alarm, rank {rank}")
