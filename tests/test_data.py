@@ -359,3 +359,27 @@ def test_corpus_generation_is_deterministic(tmp_path):
         committed = REPO / "assets" / "data"
         assert outputs[0] == [(committed / make_corpus.TRAIN_FILE).read_bytes(),
                               (committed / make_corpus.VAL_FILE).read_bytes()]
+
+
+def test_an_empty_local_file_or_folder_is_one_line_streaming_or_not(tmp_path, offline_datasets, capsys):
+    """An empty `.jsonl` as dataset.path, alone or inside a folder, streaming or not, and an empty `.txt`: the
+    preflight ends with the same one line naming the path and 'no documents' (the datasets library's JSON reader
+    raised StopIteration through a 38-line traceback)."""
+    from core.config import run_with_config_errors
+    from trainer.tools.preflight import main as preflight
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "part-0.jsonl").write_text("")
+    (tmp_path / "folder" / "part-1.jsonl").write_text("\n  \n")
+    (tmp_path / "empty.txt").write_text("")
+    for path in (tmp_path / "empty.jsonl", tmp_path / "folder", tmp_path / "empty.txt"):
+        for streaming in ("true", "false"):
+            with pytest.raises(SystemExit) as exc:
+                run_with_config_errors(preflight, [
+                    "--job.config_file", "train_configs/debug_model.toml", "--validation.enable", "false",
+                    "--job.dump_folder", str(tmp_path / "dump"), "--dataset.path", str(path),
+                    "--dataset.streaming", streaming])
+            err = capsys.readouterr().err
+            assert exc.value.code == 2 and err == f"config error: dataset.path: {path} [train]: no documents\n", err
+    assert not (tmp_path / "dump").exists()

@@ -157,6 +157,15 @@ def _local_data_files(path: Path) -> tuple[str, list[str]]:
     return builders[0], [str(p) for p in files]
 
 
+def _blank(file: str) -> bool:
+    """Whether a text file holds nothing but whitespace; reads only up to its first other byte."""
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
 def _import_datasets(allow_download: bool) -> Any:
     """The ``datasets`` module, offline unless ``allow_download``.
 
@@ -289,6 +298,9 @@ def load_documents(dataset_cfg: Any, split: str) -> DocumentSource:
         if not resolved.exists():
             raise DatasetError("path", f"dataset path {str(path)!r} not found")
         builder, files = _local_data_files(resolved)
+        if builder != "parquet" and all(map(_blank, files)):
+            # the datasets library cannot read zero rows (its JSON reader ends in StopIteration): no documents
+            return ListDocuments([], f"{path} [{split}]")
         datasets = _import_datasets(allow_download)
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         locate = functools.partial(_first_bad_json_line, files) if builder == "json" else None
