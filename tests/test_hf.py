@@ -531,3 +531,60 @@ def test_trained_debug_checkpoint_without_bias_updates_exports(tmp_path):
     model = build_ours(FLAVORS["debugmodel"])
     dcp.load({MODEL_KEY: model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)  # in place: the trained weights
     _assert_transformers_logits_match(tmp_path / "hf", model)
+
+
+# ------------------------------------------------------------------------------------------------ the trainer's import
+
+def test_initial_load_in_hf_builds_the_checkpoints_own_model_or_names_the_config_key(tmp_path, capsys):
+    """The README's command, `--checkpoint.initial_load_path <hf> --checkpoint.initial_load_in_hf true`, on a tiny
+    checkpoint saved by transformers (not the debug flavor's shapes): without model.hf_config_path the model is the
+    one the checkpoint's own config.json describes, and its weights load. Without a config.json beside the weights,
+    or with model.hf_config_path naming another config, the refusal names model.hf_config_path (before, it said
+    the checkpoint lacks model.layers.0.*, ..., which it holds in other shapes)."""
+    import shutil
+
+    from core.config import run_with_config_errors
+    from trainer.prepare import prepare
+    from trainer.tools.preflight import main as preflight
+    from trainer.train import Trainer
+
+    cfg = transformers.DeepseekV3Config(**{**HF_BASE, "vocab_size": 2048}, n_group=1, topk_group=1,
+                                        num_nextn_predict_layers=0)
+    torch.manual_seed(0)
+    hf_dir = tmp_path / "hf"
+    transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(hf_dir)
+    capsys.readouterr()  # transformers' progress bar
+    argv = ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path / "dump"),
+            "--training.seq_len", "32", "--training.local_batch_size", "1", "--validation.enable", "false",
+            "--memory.track", "off", "--metrics.enable_tensorboard", "false", "--checkpoint.initial_load_path"]
+
+    prep = prepare(load_config(argv + [str(hf_dir), "--checkpoint.initial_load_in_hf", "true"]), 1, 0)
+    assert prep.cfg.model.hf_config_path == str(hf_dir / "config.json")
+    assert (prep.model_args.dim, prep.model_args.n_layers, prep.model_args.q_lora_rank) == (64, 3, 1536)
+    trainer = Trainer(prep, torch.device("cpu"))
+    try:
+        loaded = trainer.model_parts[0].state_dict()["layers.2.attention.wq_a.weight"]
+    finally:
+        trainer.close()
+    with safe_open(hf_dir / "model.safetensors", framework="pt") as f:
+        assert torch.equal(loaded, f.get_tensor("model.layers.2.self_attn.q_a_proj.weight"))
+
+    def refusal(*args: str) -> str:
+        with pytest.raises(SystemExit) as exc:
+            run_with_config_errors(preflight, argv + list(args) + ["--checkpoint.initial_load_in_hf", "true"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1, err
+        return err[0]
+
+    bare = tmp_path / "bare"
+    shutil.copytree(hf_dir, bare, ignore=shutil.ignore_patterns("config.json"))
+    line = refusal(str(bare))
+    assert line.endswith(f"; {bare} has no config.json, so model.flavor 'debugmodel' builds the model: set "
+                         "model.hf_config_path to the config.json the checkpoint was saved with"), line
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(hf_config_from_args(OUR_TINY.replace(vocab_size=2048))))
+    line = refusal(str(hf_dir), "--model.hf_config_path", str(other))
+    assert line.endswith(f"; the model comes from model.hf_config_path {other}, not from the checkpoint's own "
+                         f"{hf_dir / 'config.json'}: leave model.hf_config_path empty to build the checkpoint's "
+                         "model"), line
+    assert not (tmp_path / "dump").exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
     With `parallelism.auto` the layout planner chooses the layout first (`Prepared.cfg` holds it): every rank
     chooses the same, from the same config and memory."""
     auto_layout = None
+    cfg = _with_hf_checkpoint_config(cfg)
     if cfg.parallelism.auto:
         cfg, auto_layout = _auto_layout(cfg, world_size)
     dims = validate_job(cfg, world_size)
@@ -93,6 +95,30 @@ def _auto_layout(cfg: JobConfig, world_size: int) -> tuple[JobConfig, str]:
     return choose_layout(cfg, world_size, gib, devices.device_type())
 
 
+def _with_hf_checkpoint_config(cfg: JobConfig) -> JobConfig:
+    """With `checkpoint.initial_load_in_hf` and no `model.hf_config_path`, the model is the one the checkpoint's own
+    config.json describes (when it has one): the flavor's shapes would not fit its weights."""
+    own = os.path.join(cfg.checkpoint.initial_load_path, "config.json")
+    if not cfg.checkpoint.initial_load_in_hf or cfg.model.hf_config_path or not os.path.isfile(own):
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_config_path=own))
+
+
+def _hf_config_hint(cfg: JobConfig) -> str:
+    """Why a HF checkpoint's weights may not fit the model: the model's config is not the checkpoint's own."""
+    path, chosen = cfg.checkpoint.initial_load_path, cfg.model.hf_config_path
+    own = os.path.join(path, "config.json")
+    if not os.path.isfile(own):
+        source = f"model.hf_config_path {chosen}" if chosen else f"model.flavor {cfg.model.flavor!r}"
+        return (f"; {path} has no config.json, so {source} builds the model: set model.hf_config_path to the "
+                "config.json the checkpoint was saved with")
+    chosen_file = os.path.join(chosen, "config.json") if os.path.isdir(chosen) else chosen
+    if os.path.realpath(chosen_file) != os.path.realpath(own):
+        return (f"; the model comes from model.hf_config_path {chosen}, not from the checkpoint's own {own}: leave "
+                "model.hf_config_path empty to build the checkpoint's model")
+    return ""
+
+
 def _check_checkpoints(cfg: JobConfig, spec: ModelSpec, model_args) -> str | None:
     """Fail before launch on a checkpoint that cannot be resumed or loaded (metadata, file sizes, weight names and
     shapes only): unreadable, truncated, or weights the model and the checkpoint do not share by name or shape
@@ -115,7 +141,8 @@ def _check_checkpoints(cfg: JobConfig, spec: ModelSpec, model_args) -> str | Non
         raise ConfigError("checkpoint", str(e))
     problem = mismatch.problem(spec.checkpoints.optional_weights, ckpt.allow_partial_load, resume=resume is not None)
     if problem is not None:
-        raise ConfigError("checkpoint", problem)
+        hint = _hf_config_hint(cfg) if resume is None and ckpt.initial_load_in_hf else ""
+        raise ConfigError("checkpoint", problem + hint)
     return mismatch.note()
 
 
