@@ -213,3 +213,36 @@ def test_save_ops_warning_at_start_names_only_a_users_list_with_ops_this_run_nev
     assert warnings("--activation_checkpoint.save_ops", "mm,attention", "--training.dtype", "bfloat16") == []
     alone, = warnings("--activation_checkpoint.save_ops", "attention")
     assert alone.endswith('every op is recomputed as with mode = "full", at the higher cost of the selective policy')
+
+
+def test_force_recompute_modules_is_judged_against_the_whole_model_and_only_when_the_user_set_it(caplog):
+    """Under pipeline parallelism a stage may hold only the dense first block, which has no 'moe.router.gate' (the
+    model's default force_recompute_modules): applying AC to that stage warns about nothing. A name the user set is
+    judged once against the whole model (every stage's blocks): warned about only when no block has it."""
+    import torch
+
+    from models.deepseek_v3.model import DeepSeekV3Model
+    from models.deepseek_v3.parallelize import checkpoint_model
+    from models.deepseek_v3.pipeline import keep_stage
+    from parallelisms.activation_checkpoint.config import ActivationCheckpointSection
+    from small_models import SMALL
+
+    with torch.device("meta"):
+        model = DeepSeekV3Model(SMALL)  # layer 0 dense, layers 1-2 MoE
+    for names in (["default"], ["moe.router"], ["default", "attention"]):
+        ac = ActivationCheckpointSection(mode="selective", force_recompute_modules=names)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            checkpoint_model(keep_stage(model, ["tok_embeddings", "layers.0"]), ac)
+        assert not [r.getMessage() for r in caplog.records if "force_recompute_modules" in r.getMessage()], names
+
+    from parallelisms.activation_checkpoint.policy import force_modules_warning
+
+    for names in (["default"], ["moe.router"], ["gate", "default", "attention.wkv_a"]):
+        ac = ActivationCheckpointSection(mode="selective", force_recompute_modules=names)
+        assert force_modules_warning(ac, model) is None, names
+    ac = ActivationCheckpointSection(mode="selective", force_recompute_modules=["default", "moe.routr", "atention"])
+    warning = force_modules_warning(ac, model)
+    assert warning.startswith("activation_checkpoint.force_recompute_modules: 'moe.routr', 'atention' match no "
+                              "module of the model's blocks (names or dotted parts of: "), warning
+    assert "moe.router.gate" in warning and "layers." not in warning  # names inside a block, as the key takes them

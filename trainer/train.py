@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from core.config import ConfigError, config_to_toml
 from core.loss import ScaledLoss, count_valid_tokens
+from parallelisms.activation_checkpoint.policy import force_modules_warning, user_force_modules
 from parallelisms.clip import clip_grad_norm_
 from parallelisms.compile import SECONDS_PER_GRAPH, compile_loss, first_compile
 from parallelisms.context_parallel import ContextParallel, own_share
@@ -488,6 +489,11 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
         if prep.auto_layout is not None:
             logger.info(prep.auto_layout)
         warn_settings_without_effect(prep, device)
+        if user_force_modules(cfg.activation_checkpoint):  # judged once against the whole model, not per stage
+            with torch.device("meta"):
+                warning = force_modules_warning(cfg.activation_checkpoint, prep.spec.model_cls(prep.model_args))
+            if warning is not None:
+                logger.warning(warning)
         if prep.checkpoint_note is not None:
             logger.warning(prep.checkpoint_note)
     trainer = None

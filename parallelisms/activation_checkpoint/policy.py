@@ -9,7 +9,7 @@ import functools
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,13 +20,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from core.names import denotes, resolve
+from core.names import DEFAULT, denotes, resolve
 from core.token_dispatch import TokenDispatcher
 from parallelisms.activation_checkpoint.config import name_problem
 from parallelisms.activation_checkpoint.ops import OpTable
 from parallelisms.moe_comm.registry import op_table
 
-__all__ = ["OpCounter", "RecomputeTable", "ScopeRule", "apply_ac"]
+__all__ = ["OpCounter", "RecomputeTable", "ScopeRule", "apply_ac", "block_module_names", "force_modules_warning",
+           "user_force_modules"]
 
 logger = logging.getLogger(__name__)
 
@@ -295,13 +296,46 @@ def _pass_contexts(policy: _SelectivePolicy) -> tuple[Any, Any]:
 
 # ----------------------------------------------------------------------------------------------- apply
 
-def _check_force_modules(blocks: Iterable[nn.Module], names: Sequence[str]) -> None:
-    fqns = sorted({f for block in blocks for f, _ in block.named_modules() if f})
-    for name in names:
-        if not any(denotes(f, name) for f in fqns):
-            # Not an error: a pipeline stage may hold no block with that module (only dense layers, say).
-            logger.warning("activation_checkpoint.force_recompute_modules: %r matches no module inside the blocks "
-                           "of this model part; names there: %s", name, ", ".join(fqns))
+def user_force_modules(ac_cfg) -> list[str]:
+    """The names in `force_recompute_modules` that the user wrote (not those "default" stands for), where the mode
+    reads the key (selective, per op)."""
+    if (ac_cfg.mode, ac_cfg.granularity) != ("selective", "op"):
+        return []
+    return [name for name in ac_cfg.force_recompute_modules if name != DEFAULT]
+
+
+def block_module_names(model: nn.Module) -> list[str]:
+    """The names of `model`'s modules relative to their block, as the module-name keys take them: a block is an
+    entry of a module list or dict keyed by number (`layers.3`), and a module inside it is named from there on
+    (`layers.3.moe.router` is "moe.router")."""
+    names = set()
+    for fqn, _ in model.named_modules():
+        parts = fqn.split(".")
+        numbered = [i for i, part in enumerate(parts) if part.isdigit()]
+        if numbered and numbered[-1] < len(parts) - 1:
+            names.add(".".join(parts[numbered[-1] + 1:]))
+    return sorted(names)
+
+
+def force_modules_warning(ac_cfg, model: nn.Module) -> str | None:
+    """One warning line naming the `force_recompute_modules` the user set that match no module inside any block of
+    the whole `model` (every pipeline stage's blocks; build it on the meta device), else None.
+
+    Judged once for the whole model, not per model part: a pipeline stage may hold no block with a given module (only
+    the dense first layer, say), which is no mistake. The names "default" stands for are the model's own and never
+    judged: the user cannot act on them.
+    """
+    names = user_force_modules(ac_cfg)
+    if not names:
+        return None
+    known = block_module_names(model)
+    unmatched = [name for name in names if not any(denotes(fqn, name) for fqn in known)]
+    if not unmatched:
+        return None
+    verb = "matches" if len(unmatched) == 1 else "match"
+    return (f"activation_checkpoint.force_recompute_modules: {', '.join(map(repr, unmatched))} {verb} no module of "
+            f"the model's blocks (names or dotted parts of: {', '.join(known)}); nothing is recomputed for "
+            f"{'it' if len(unmatched) == 1 else 'them'}")
 
 
 def _covering_modules(block: nn.Module, rules: Sequence[ScopeRule]) -> list[str]:
@@ -367,8 +401,9 @@ def apply_ac(layers: nn.ModuleDict, ac_cfg, recompute_modules: RecomputeTable,
                 layers[name] = checkpoint_wrapper(block, **wrapper_kwargs)
         return
 
+    # names that match no module of these blocks are no mistake here (a pipeline stage of dense blocks has no
+    # router); `force_modules_warning` judges the user's names against the whole model once
     force = resolve(ac_cfg.force_recompute_modules, default_force_recompute)
-    _check_force_modules(layers.values(), force)
     rules = [ScopeRule(name) for name in force]
     if not ac_cfg.recompute_modules:
         for name, block in list(layers.items()):
