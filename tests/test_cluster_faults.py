@@ -524,3 +524,50 @@ def _worker(jobs_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
+
+
+def test_compiling_counts_as_progress_and_a_timeout_during_a_compile_says_so_and_names_the_key(monkeypatch):
+    """Two ranks' heartbeats in one process (one store), a 1 s timeout, both ranks in step 1: a fake slow compile
+    (a torch.compile backend that sleeps) of several graphs, each shorter than the timeout and together longer, is
+    progress, not a hang (a cold compile of many graphs on a busy machine ended a healthy run). One graph longer than
+    the timeout ends the job with a line that says the ranks are compiling and names the key to raise."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.watchdog import Heartbeat
+
+    monkeypatch.setattr(Heartbeat, "PERIOD", 0.05)
+    seconds = {"per_graph": 0.5}
+
+    def slow_backend(gm, example_inputs):
+        time.sleep(seconds["per_graph"])
+        return gm.forward
+
+    def graphs(x):  # each graph break starts another graph: another compile
+        for _ in range(6):
+            x = x * 2 + 1
+            torch._dynamo.graph_break()
+        return x
+
+    def one_graph(x):
+        return x * 3 - 1
+
+    lines = []
+    store = dist.HashStore()
+    ranks = [Heartbeat(store, r, 2, timeout=1.0, local_rank=r, on_hung=lines.append) for r in (0, 1)]
+    try:
+        for heartbeat in ranks:
+            heartbeat.advance("forward/backward of microbatch 1/1", step=1)
+        torch.compile(graphs, backend=slow_backend)(torch.ones(2))  # ~3.5 s in all
+        assert lines == []
+        seconds["per_graph"] = 2.5
+        torch.compile(one_graph, backend=slow_backend)(torch.ones(2))
+        time.sleep(0.3)
+    finally:
+        for heartbeat in ranks:
+            heartbeat.close()
+    assert lines, "no hang reported during a compile longer than the timeout"
+    assert re.fullmatch(r"training error: no rank advanced for more than comm.init_timeout_seconds = 1 s: all 2 ranks "
+                        r"are in step 1 \(forward/backward of microbatch 1/1, compiling with torch.compile\): one "
+                        r"graph's compile took longer than that \(a cold compile cache, a busy machine\); raise "
+                        r"comm.init_timeout_seconds; ending the job", lines[0]), lines

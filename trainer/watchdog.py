@@ -6,9 +6,17 @@ microbatch's forward and backward, before the optimizer, at the step's end, befo
 a checkpoint save): the rank's position is the number of points it passed, with the step and the point's name for
 the line. Every rank passes the same points in the same order, so positions compare across ranks.
 
-Liveness. Every rank runs a daemon thread that writes `<beat> <position> <step> <watches> <patience> <point>`
-under `heartbeat/<rank>` once a second; `beat` counts the writes, `patience` is how long its point may take (a
-checkpoint save's `comm.checkpoint_timeout_seconds`; 0: the phase's timeout). A rank that is stopped (SIGSTOP, a frozen node) or
+Compiling. torch.compile compiles a graph when it first runs (the forward in dynamo, the backward lazily in the
+first backward), inside a step: a cold compile of many graphs on a busy machine can take longer than the timeout
+while every rank stays at one point. Each compile's start and end (torch's `torch._dynamo.callback` hooks, which
+both kinds run) therefore count as progress, without moving the position (ranks compile different numbers of
+graphs: pipeline stages, recompiles), and while a rank compiles its point says so. Only one graph's compile longer
+than the timeout ends the job, with a line that says the ranks are compiling and names the key to raise.
+
+Liveness. Every rank runs a daemon thread that writes `<beat> <position> <step> <watches> <patience> <compiles>
+<compiling> <point>` under `heartbeat/<rank>` once a second; `beat` counts the writes, `patience` is how long its
+point may take (a checkpoint save's `comm.checkpoint_timeout_seconds`; 0: the phase's timeout), `compiles` counts
+the compiles' starts and ends and `compiling` is 1 inside one. A rank that is stopped (SIGSTOP, a frozen node) or
 holds the interpreter stops beating. A rank blocked in a call that releases the interpreter (a hung file system
 read, a device sync, a collective) keeps beating but no longer advances.
 
@@ -43,6 +51,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch._dynamo.callback import callback_handler
 
 from core.config import option
 from trainer.launch import HUNG_MARKER, leave_marker, write_error_line
@@ -95,6 +104,8 @@ class _Seen:
     step: int = 0
     point: str = "before its first heartbeat"
     patience: float = 0.0  # how long this rank's point may take without advancing (0: the phase's timeout)
+    compiles: int = -1  # starts and ends of torch.compile's compiles: progress that does not move the position
+    compiling: bool = False
     watches: bool = False
     beat_at: float = 0.0
     advanced_at: float = 0.0
@@ -119,8 +130,11 @@ class Heartbeat:
         self.watches = local_rank < 2
         self.on_hung = on_hung or self._end_job
         self._at = (0, 0, "starting", 0.0)  # (position, step, point, patience): one tuple, read whole
+        self._compile = (0, False)  # (compiles started and ended, compiling now): one tuple, read whole
         self._beats = 0
         self._stop = threading.Event()
+        callback_handler.register_start_callback(self._compile_started)
+        callback_handler.register_end_callback(self._compile_ended)
         self._beat()
         self._threads = [threading.Thread(target=self._beat_loop, name="heartbeat", daemon=True)]
         if self.watches:
@@ -140,11 +154,19 @@ class Heartbeat:
         position, current, _, _ = self._at
         self._at = (position + 1, current if step is None else step, point, patience)
 
+    # torch 2.13 passes a `CallbackArgs` (what triggered the compile); older releases passed nothing
+    def _compile_started(self, *args) -> None:
+        self._compile = (self._compile[0] + 1, True)
+
+    def _compile_ended(self, *args) -> None:
+        self._compile = (self._compile[0] + 1, False)
+
     def _beat(self, point: str | None = None) -> None:
         position, step, at, patience = self._at
+        compiles, compiling = self._compile
         self._beats += 1
-        self.store.set(f"heartbeat/{self.rank}",
-                       f"{self._beats} {position} {step} {int(self.watches)} {patience:g} {point or at}")
+        self.store.set(f"heartbeat/{self.rank}", f"{self._beats} {position} {step} {int(self.watches)} {patience:g} "
+                                                 f"{compiles} {int(compiling)} {point or at}")
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(self.PERIOD):
@@ -165,12 +187,13 @@ class Heartbeat:
         for state, raw in zip(seen, values):
             if raw is None:
                 continue
-            beat, position, step, watches, patience, point = raw.split(" ", 5)
+            beat, position, step, watches, patience, compiles, compiling, point = raw.split(" ", 7)
             if int(beat) != state.beat:
                 state.beat, state.beat_at = int(beat), now
-            if int(position) != state.position:
-                state.position, state.advanced_at = int(position), now
+            if int(position) != state.position or int(compiles) != state.compiles:
+                state.position, state.compiles, state.advanced_at = int(position), int(compiles), now
             state.step, state.watches, state.point, state.patience = int(step), watches == "1", point, float(patience)
+            state.compiling = compiling == "1"
             state.done = point == _DONE
 
     def verdict(self, seen: list[_Seen], now: float) -> tuple[list[int], str] | None:
@@ -193,22 +216,26 @@ class Heartbeat:
         if now - max(seen[r].advanced_at for r in watched) <= limit:
             return None
         where = self._where(seen[behind[0]])
-        rule = (f"no rank advanced for more than {self.timeout_key} = {self.timeout:g} s" if limit == self.timeout
-                else f"no rank advanced for more than comm.checkpoint_timeout_seconds = {limit:g} s")
+        key = self.timeout_key if limit == self.timeout else "comm.checkpoint_timeout_seconds"
+        rule = f"no rank advanced for more than {key} = {limit:g} s"
+        # a compile is progress when it ends: still in one after the timeout, it is a single slow graph
+        compiling = any(seen[r].compiling for r in behind)
+        why = (f": one graph's compile took longer than that (a cold compile cache, a busy machine); raise {key}"
+               if compiling else None)
         if len(behind) == len(watched):
-            return [], (f"training error: {rule}: all {len(watched)} ranks are {where} (a collective, the file "
-                        "system or a device hangs?); ending the job")
+            why = why or " (a collective, the file system or a device hangs?)"
+            return [], f"training error: {rule}: all {len(watched)} ranks are {where}{why}; ending the job"
         named = _rank_list(behind)
         ahead = max((r for r in watched if r not in behind), key=lambda r: seen[r].position)
+        why = why or " (alive but stuck in a call that does not return: a hung file system, device or peer)"
         return behind, (f"training error: {named} stopped making progress {where} while rank {ahead} is "
-                        f"{self._where(seen[ahead])}: {rule} (alive but stuck in a call that does not return: a "
-                        "hung file system, device or peer); ending the job")
+                        f"{self._where(seen[ahead])}: {rule}{why}; ending the job")
 
     @staticmethod
     def _where(state: _Seen) -> str:
         if state.beat < 0:
             return "before its first heartbeat"
-        return f"in step {state.step} ({state.point})"
+        return f"in step {state.step} ({state.point}{', compiling with torch.compile' if state.compiling else ''})"
 
     def _watch_loop(self) -> None:
         start = time.monotonic()
@@ -252,6 +279,10 @@ class Heartbeat:
     def close(self) -> None:
         """Stop beating and watching; the last heartbeat says this rank is done, so no watcher waits for it."""
         self._stop.set()
+        for callbacks, callback in ((callback_handler.start_callbacks, self._compile_started),
+                                    (callback_handler.end_callbacks, self._compile_ended)):
+            if callback in callbacks:  # torch._dynamo.reset() clears them
+                callbacks.remove(callback)
         for thread in self._threads:
             thread.join(timeout=2 * self.PERIOD)
         try:
