@@ -55,6 +55,8 @@ def test_a_distributed_process_ends_with_its_code_and_its_output():
         assert f"printed by rank {rank}" in out and f"logged by rank {rank}" in out, out[-3000:]
         # why end_process exists; when torch frees the group, this fails and the workaround can go
         assert f"rank {rank}: gloo threads after destroy_process_group: 0" not in out, out[-3000:]
+        # a rank names itself after its group is gone (its line after a peer died): rank 1 stays rank 1
+        assert f"rank {rank}: rank() after destroy_process_group: {rank}" in out, out[-3000:]
     # one rank: a failing code is not lost (with two, torchrun stops the other rank when one fails)
     rc, out = _launch(1, 3)
     assert rc != 0 and "exitcode  : 3" in out and "printed by rank 0" in out, out[-3000:]  # torchrun's report
@@ -75,6 +77,7 @@ def _worker(code: int) -> None:
     del total
     devices.shutdown_distributed()
     print(f"rank {rank}: gloo threads after destroy_process_group: {_gloo_threads()}")
+    print(f"rank {rank}: rank() after destroy_process_group: {devices.rank()}")
     print(f"printed by rank {rank}", end="")  # no newline: only an explicit flush writes it
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("end_process").info("logged by rank %d", rank)

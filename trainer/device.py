@@ -46,11 +46,12 @@ def world_size_from_env() -> int:
 
 _started_group = False  # this process created a process group (end_process then skips the interpreter teardown)
 _store: dist.Store | None = None  # the store every rank joined (heartbeats: trainer/watchdog.py)
+_rank: int | None = None  # this process's rank in the group it created, kept after the group is destroyed
 
 
 def init_distributed(timeout_s: float = 300.0) -> torch.device:
     """Bind this process to its device and, under torchrun, create the default process group."""
-    global _started_group, _store
+    global _started_group, _store, _rank
     device = local_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -62,7 +63,7 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
         store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group(backend(), store=store, rank=rank_, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
-        _started_group = True
+        _started_group, _rank = True, rank_
         _store = dist.PrefixStore("trainer", store)
     return device
 
@@ -73,7 +74,11 @@ def store() -> dist.Store | None:
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's rank: the process group's, also after the group is destroyed (a rank's last line after a
+    peer died names the rank itself, not 0); 0 in a process without a group."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return _rank if _rank is not None else 0
 
 
 def shutdown_distributed() -> None:
