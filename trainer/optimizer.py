@@ -9,10 +9,16 @@ group. The result is still a plain ``torch.optim.AdamW``: LR schedulers set ``lr
 ``state_dict``/``load_state_dict``, DCP's ``get_optimizer_state_dict``/``set_optimizer_state_dict`` and
 ``zero_grad`` work unchanged. Same idea as DeepSpeed-MoE's ``max_group_size`` cap on expert parameter groups
 (DeepSpeed PR #2079), measured here in ``benchmarks/tiled_optimizer.py`` and ``docs/memory.md``.
+
+BF16 moments (``state_dtype = "bfloat16"``): AdamW's two moments are stored in bfloat16 while the parameters (the
+master weights) stay float32, as DeepSeek-V3 trains (technical report, section 3.3): 4 instead of 8 bytes of state
+per parameter. torch's foreach and fused AdamW group tensors by dtype and cannot mix float32 parameters with
+bfloat16 state, so ``BF16MomentsAdamW`` steps itself; see its docstring.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +50,20 @@ class OptimizerSection:
     max_group_bytes: int = option(0, ge=0)
     """0 = step all parameters at once; >0 = tiled step over parameter groups of at most this many bytes,
     which caps the temporary memory of the foreach kernels (fused and for-loop have none to cap)."""
+    state_dtype: str = option("float32", choices=["float32", "bfloat16"])
+    """dtype of AdamW's two moments; the parameters (master weights) stay float32 either way. bfloat16, as
+    DeepSeek-V3 trains, stores 4 instead of 8 bytes of state per parameter and moves 20 instead of 28 bytes per
+    parameter in the step, whose math stays float32 (docs/memory.md, "BF16 optimizer moments"). Keep 1 - beta2 well
+    above bfloat16's rounding (2^-9): at beta2 = 0.999 the stored second moment could no longer decay. A checkpoint
+    of the other dtype resumes, converted."""
 
 
-__all__ = ["build_optimizer", "local_nbytes", "tile_params"]
+__all__ = ["BF16MomentsAdamW", "STATE_DTYPES", "adamw_foreach_step", "adamw_tensor_step", "build_optimizer",
+           "local_nbytes", "skippable_tensor_step", "tile_params"]
+
+#: `optimizer.state_dtype` -> the moments' dtype
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def local_nbytes(p: torch.Tensor) -> int:
@@ -78,14 +95,211 @@ def tile_params(params: list[torch.Tensor], max_group_bytes: int) -> list[list[t
     return tiles
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def adamw_tensor_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                      step: torch.Tensor, lr: torch.Tensor, beta1: float, beta2: float, eps: float,
+                      weight_decay: float) -> None:
+    """One AdamW update of one tensor whose moments are stored in low precision; the math in float32.
+
+    ``param``, ``grad``: float32; ``exp_avg``, ``exp_avg_sq``: the stored moments, updated in place; ``step``: the
+    tensor's 0-d float32 step counter, incremented here; ``lr``: a 0-d float32 tensor. The moments are upcast,
+    updated, used for the parameter's update in float32 and stored rounded back: torch's AdamW with float32 state
+    (same order of operations) but for the rounding of what is stored. The values that change from step to step
+    (``lr``, ``step``) are tensors, so that a compiled copy runs every step without recompiling.
+    """
+    step.add_(1)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
+    param.mul_(1 - lr * weight_decay)
+    m = exp_avg.to(torch.float32, copy=True).lerp_(grad, 1 - beta1)
+    v = exp_avg_sq.to(torch.float32, copy=True).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    denom = v.sqrt_().div_(bias_correction2_sqrt).add_(eps)
+    param.sub_(m.div_(denom).mul_(lr / bias_correction1))
+
+
+def adamw_foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                       exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], lr: torch.Tensor, beta1: float,
+                       beta2: float, eps: float, weight_decay: float) -> None:
+    """``adamw_tensor_step`` over lists of tensors of one device with torch's multi-tensor kernels (the same
+    operations in the same order). The float32 copies of every listed tensor's moments exist at once."""
+    torch._foreach_add_(steps, 1)
+    bias_correction1 = torch._foreach_pow(beta1, steps)
+    torch._foreach_neg_(bias_correction1)
+    torch._foreach_add_(bias_correction1, 1)
+    step_size = torch._foreach_div([lr] * len(steps), bias_correction1)
+    bias_correction2_sqrt = torch._foreach_pow(beta2, steps)
+    torch._foreach_neg_(bias_correction2_sqrt)
+    torch._foreach_add_(bias_correction2_sqrt, 1)
+    torch._foreach_sqrt_(bias_correction2_sqrt)
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    ms = [m.to(torch.float32, copy=True) for m in exp_avgs]
+    vs = [v.to(torch.float32, copy=True) for v in exp_avg_sqs]
+    torch._foreach_lerp_(ms, grads, 1 - beta1)
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, grads, grads, value=1 - beta2)
+    torch._foreach_copy_(exp_avgs, ms)
+    torch._foreach_copy_(exp_avg_sqs, vs)
+    torch._foreach_sqrt_(vs)
+    torch._foreach_div_(vs, bias_correction2_sqrt)
+    torch._foreach_add_(vs, eps)
+    torch._foreach_div_(ms, vs)
+    torch._foreach_mul_(ms, step_size)
+    torch._foreach_sub_(params, ms)
+
+
+def skippable_tensor_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                          step: torch.Tensor, lr: torch.Tensor, found_inf: torch.Tensor, **hyperparameters) -> None:
+    """``adamw_tensor_step`` that leaves every tensor as it was where the 0-d ``found_inf`` is nonzero: a
+    non-finite step skipped on the device, without a host sync (the ``found_inf`` protocol of torch's fused AdamW
+    and GradScaler). Meant to be compiled: there the saved values are loads of the same fused kernel, not copies."""
+    tensors = (param, exp_avg, exp_avg_sq, step)
+    saved = [t.clone() for t in tensors]
+    adamw_tensor_step(param, grad, exp_avg, exp_avg_sq, step, lr, **hyperparameters)
+    skip = found_inf != 0
+    for t, old in zip(tensors, saved):
+        t.copy_(torch.where(skip, old, t))
+
+
+@functools.cache
+def _compiled_tensor_step():
+    # dynamic shapes and 1-D views: one graph serves every tensor (a second for 0/1-element ones at most)
+    return torch.compile(skippable_tensor_step, dynamic=True, fullgraph=True)
+
+
+class BF16MomentsAdamW(torch.optim.AdamW):
+    """AdamW with float32 parameters and bfloat16 moments (``optimizer.state_dtype = "bfloat16"``).
+
+    Each tensor's moments are upcast, updated and used in float32, and stored rounded to bfloat16
+    (``adamw_tensor_step``): the update is torch's AdamW with float32 state but for that rounding. Kernels, by
+    ``implementation``:
+
+    * ``fused``: one tensor at a time. On CUDA ``adamw_tensor_step`` compiled with torch.compile (1-D views,
+      dynamic shapes, lr, step and ``found_inf`` as device tensors: one graph for every tensor and step), one fused
+      kernel that reads and writes 20 bytes per parameter, as torchao's low-bit optimizers do. Elsewhere (CPU) the
+      same function runs eagerly, like ``for-loop``: its float32 copies of one tensor's moments are the transient.
+      Like torch's fused AdamW it takes ``found_inf`` (set as an attribute, as GradScaler and the trainer do): a
+      nonzero value skips the step, on CUDA inside the kernel, elsewhere read on the host. ``grad_scale`` (an
+      unscaled GradScaler step) is refused: bfloat16 training needs no loss scaling.
+    * ``for-loop``: one tensor at a time, eagerly.
+    * ``foreach``: torch's multi-tensor kernels per parameter group (``adamw_foreach_step``): float32 copies of the
+      whole group's moments exist during its step, so tile with ``max_group_bytes``.
+
+    It stays a ``torch.optim.AdamW``: LR schedulers, ``zero_grad``, ``state_dict`` and DCP work unchanged. The state
+    of a DTensor parameter is a DTensor with the parameter's placements (DCP reshards it); the step works on the
+    local shards. The step counters live on the parameters' device (no host sync). ``load_state_dict`` stores loaded
+    moments in bfloat16, whatever dtype they come in (a float32-state checkpoint converts).
+    """
+
+    state_dtype = torch.bfloat16
+
+    def __init__(self, params, implementation: str = "fused", **hyperparameters):
+        if implementation not in ("fused", "foreach", "for-loop"):
+            raise ValueError(f"implementation {implementation!r}: allowed fused, foreach, for-loop")
+        super().__init__(params, foreach=False, fused=False, **hyperparameters)
+        self.implementation = implementation
+        self._step_supports_amp_scaling = implementation == "fused"  # it takes found_inf, as torch's fused does
+        self._lrs: dict[torch.device, torch.Tensor] = {}  # a 0-d lr per device, refilled per group
+        self._no_inf: dict[torch.device, torch.Tensor] = {}
+
+    def _lr(self, device: torch.device, lr) -> torch.Tensor:
+        if device not in self._lrs:
+            self._lrs[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return self._lrs[device].fill_(lr)  # a kernel argument on CUDA: no host-to-device copy, no sync
+
+    def _found_inf(self, device: torch.device) -> torch.Tensor:
+        """`found_inf` on `device` for the compiled step, zero where none was given."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:
+            return found_inf.to(device=device, dtype=torch.float32)
+        if device not in self._no_inf:
+            self._no_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return self._no_inf[device]
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+            for key in MOMENTS:  # zeros_like keeps a DTensor's mesh and placements
+                state[key] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step over every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError("BF16MomentsAdamW takes no grad_scale: unscale the gradients first "
+                               "(GradScaler.unscale_)")
+        found_inf = getattr(self, "found_inf", None)
+        compiled = self.implementation == "fused" and any(p.device.type == "cuda" for g in self.param_groups
+                                                          for p in g["params"])
+        if found_inf is not None and not compiled and found_inf.item():
+            return loss  # off the compiled kernel the flag is read here: on CPU that costs no wait
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("BF16MomentsAdamW does not support sparse gradients")
+            beta1, beta2 = group["betas"]
+            hyper = dict(beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
+                         weight_decay=group["weight_decay"])
+            states = [self._state(p) for p in params]
+            tensors = [[_local(t) for t in (p, p.grad, s["exp_avg"], s["exp_avg_sq"])] + [s["step"]]
+                       for p, s in zip(params, states)]
+            if self.implementation == "foreach":
+                by_device: dict[torch.device, list] = {}
+                for ts in tensors:
+                    by_device.setdefault(ts[0].device, []).append(ts)
+                for device, rows in by_device.items():
+                    adamw_foreach_step(*map(list, zip(*rows)), self._lr(device, group["lr"]), **hyper)
+                continue
+            for p, g, m, v, step in tensors:
+                lr = self._lr(p.device, group["lr"])
+                if self.implementation == "fused" and p.device.type == "cuda":
+                    if all(t.is_contiguous() for t in (p, g, m, v)):
+                        p, g, m, v = (t.view(-1) for t in (p, g, m, v))
+                    _compiled_tensor_step()(p, g, m, v, step, lr, self._found_inf(p.device), **hyper)
+                else:
+                    adamw_tensor_step(p, g, m, v, step, lr, **hyper)
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, except for the moments: stored in bfloat16 whatever their dtype in ``state_dict`` (torch
+        would cast them to the parameters' float32, a float32 copy of the whole state at load), and the step
+        counters as float32 on the parameters' device."""
+        kept = {pid: {k: v for k, v in s.items() if k not in MOMENTS} for pid, s in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": kept})
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = dict(zip(saved_ids, (p for g in self.param_groups for p in g["params"])))
+        for pid, saved in state_dict["state"].items():
+            state = self.state[params[pid]]
+            for key in MOMENTS:
+                if key in saved:
+                    state[key] = saved[key].to(dtype=self.state_dtype, device=params[pid].device)
+            if "step" in state:
+                state["step"] = state["step"].to(dtype=torch.float32, device=_local(params[pid]).device)
+
+
 def build_optimizer(model_parts: list[nn.Module], cfg) -> torch.optim.Optimizer:
     """AdamW over the parameters of every model part; `cfg` is the `[optimizer]` section.
 
     With ``cfg.max_group_bytes > 0`` the parameters are split into groups of at most that many bytes (see the
-    module docstring); every group has the same hyperparameters.
+    module docstring); every group has the same hyperparameters. ``cfg.state_dtype = "bfloat16"`` gives a
+    ``BF16MomentsAdamW``, float32 torch's own AdamW.
     """
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
-    impl = {"foreach": dict(foreach=True), "for-loop": dict(foreach=False), "fused": dict(fused=True)}
     groups = [{"params": tile} for tile in tile_params(params, cfg.max_group_bytes)]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, **impl[cfg.implementation])
+    hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.state_dtype == "bfloat16":
+        return BF16MomentsAdamW(groups, implementation=cfg.implementation, **hyper)
+    impl = {"foreach": dict(foreach=True), "for-loop": dict(foreach=False), "fused": dict(fused=True)}
+    return torch.optim.AdamW(groups, **hyper, **impl[cfg.implementation])

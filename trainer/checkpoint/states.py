@@ -5,6 +5,8 @@ from __future__ import annotations
 import pickle
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -13,6 +15,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+
+from trainer.optimizer import MOMENTS
 
 
 class ModelState(Stateful):
@@ -47,6 +51,10 @@ class OnlySaved(Stateful):
         self.model.load_state_dict(state_dict)
 
 
+_RUN_KEYS = ("lr", "foreach", "fused", "capturable", "differentiable")
+"""Param-group keys a resume keeps from this run's optimizer, not from the checkpoint."""
+
+
 class OptimizerState(Stateful):
     """One optimizer per model part, flattened to parameter-name keys and merged."""
 
@@ -63,11 +71,31 @@ class OptimizerState(Stateful):
     def load_state_dict(self, state_dict):
         for part, opt in zip(self.parts, self.optimizers):
             # The LR belongs to the LR schedule, which recomputes it from the current config on resume; the saved
-            # one is the old schedule's (DCP loads the schedule first: keys load in sorted order).
-            lrs = [group["lr"] for group in opt.param_groups]
+            # one is the old schedule's (DCP loads the schedule first: keys load in sorted order). The kernel flags
+            # belong to this run's optimizer.implementation and state_dtype: torch's load would take the saved
+            # groups' (a checkpoint of foreach or of bf16 moments would turn a fused AdamW's step into another).
+            kept = [{key: group[key] for key in _RUN_KEYS if key in group} for group in opt.param_groups]
             set_optimizer_state_dict(part, opt, state_dict, options=self.options)
-            for group, lr in zip(opt.param_groups, lrs, strict=True):
-                group["lr"] = lr
+            for group, own in zip(opt.param_groups, kept, strict=True):
+                group.update(own)
+
+    def conversion_note(self, path: str) -> str | None:
+        """One line if the checkpoint at `path` holds the AdamW moments in another dtype than these optimizers
+        (`optimizer.state_dtype` changed since it was saved), else None. DCP's load copies into the existing state
+        tensors, which converts; this reads the checkpoint's metadata to say so."""
+        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        saved = {md.properties.dtype for key, md in metadata.items()
+                 if key.rsplit(".", 1)[-1] in MOMENTS and isinstance(md, TensorStorageMetadata)}
+        ours = {state[key].dtype for opt in self.optimizers for state in opt.state.values()
+                for key in MOMENTS if key in state}
+        if not saved or not ours or saved == ours:
+            return None
+
+        def names(dtypes):
+            return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+        return (f"optimizer state converted on load: the checkpoint's AdamW moments are {names(saved)}, this run "
+                f"keeps them in {names(ours)} (optimizer.state_dtype)")
 
 
 class ObjectState(Stateful):
