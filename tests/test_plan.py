@@ -116,7 +116,7 @@ def test_step_time_parts_by_hand():
     dims = ParallelDims(dp_replicate=2, dp_shard=4, ep=2, pp=2, world_size=16)
     work = {"microbatches": 4, "forward_flops": 1e12, "recompute_flops": 1e12, "stages_per_rank": 1,
             "fsdp_unit_bytes": [2e9, 1e9], "unit_element_bytes": 2, "grad_bytes": 1e9, "a2a_bytes": 1e8,
-            "a2a_recomputed_bytes": 1e8, "hidden_bytes": 1e7, "param_count": 1e9}
+            "a2a_recomputed_bytes": 1e8, "hidden_bytes": 1e7, "param_count": 1e9, "optimizer_bytes_per_param": 28}
     t = step_time(dims, "1F1B", False, 1, work, 0.0, "alltoall", hw)
     compute = 4 * (3e12 + 1e12) / 50e12
     assert t["compute_s"] == pytest.approx(compute)
@@ -142,7 +142,7 @@ def test_step_time_counts_the_context_parallel_exchanges_and_shards_over_dp_shar
     work = {"microbatches": 1, "forward_flops": 1e12, "recompute_flops": 0.0, "stages_per_rank": 1,
             "fsdp_unit_bytes": [1e9], "unit_element_bytes": 2, "grad_bytes": 1e9, "a2a_bytes": 0,
             "a2a_recomputed_bytes": 0, "hidden_bytes": 1e7, "param_count": 1e9, "cp_bytes": 1e8,
-            "cp_recomputed_bytes": 5e7}
+            "cp_recomputed_bytes": 5e7, "optimizer_bytes_per_param": 28}
     t = step_time(dims, None, True, 2, work, 0.0, "alltoall", hw)
     # two passes: the all-gather, its reduce-scatter and the full-AC replay, 3/4 of the bytes from other ranks
     assert t["cp_s"] == pytest.approx(2 * (2e8 + 5e7) * 3 / 4 / 100e9)

@@ -68,6 +68,8 @@ class CheckpointManager:
         if path is not None:
             self._load(self.states, path)
             logger.info("resumed from %s (step %d)", path, self.train_state.step)
+            if self.rank == 0 and (note := self.states["optimizer"].conversion_note(path)):
+                logger.info(note)
             changes = self.lr_schedulers[0].resume_changes  # every part's schedule has the same settings
             if changes:
                 logger.info("LR schedule changed since the checkpoint (%s): the LR follows the current config "

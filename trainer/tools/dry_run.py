@@ -23,6 +23,7 @@ from core.config import run_with_config_errors
 from parallelisms.mesh import build_meshes
 from trainer.build import build_model_parts
 from trainer.job_config import load_config, model_job, validate_job
+from trainer.optimizer import STATE_DTYPES
 from trainer.registry import get_model_spec
 
 
@@ -72,8 +73,8 @@ def inspect_rank(cfg, world_size: int, rank: int) -> dict:
             "params": numel,
             "param_bytes": 4 * numel,
             "grad_bytes": 4 * numel,
-            "optimizer_bytes": 8 * numel,
-            "total_bytes": 16 * numel,
+            "optimizer_bytes": 2 * STATE_DTYPES[cfg.optimizer.state_dtype].itemsize * numel,
+            "total_bytes": (8 + 2 * STATE_DTYPES[cfg.optimizer.state_dtype].itemsize) * numel,
             "shardings": _shardings(named),
             # the wrappers apply_ac built: the dry run shows AC as the run would apply it, not only as configured
             "checkpointed_blocks": checkpointed,
@@ -117,7 +118,8 @@ def print_report(rows: list[dict], world_size: int, cfg) -> None:
         print(f"rank {r['rank']:>5} {r['coords']}  stages: {'; '.join(r['stages'])}")
         print(f"    params {r['params'] / 1e9:.3f}B: weights {r['param_bytes'] / gib:.2f} GiB + grads "
               f"{r['grad_bytes'] / gib:.2f} GiB + AdamW {r['optimizer_bytes'] / gib:.2f} GiB = "
-              f"{r['total_bytes'] / gib:.2f} GiB (fp32, before activations)")
+              f"{r['total_bytes'] / gib:.2f} GiB (fp32 weights, {cfg.optimizer.state_dtype} AdamW moments; before "
+              "activations)")
         print(f"    activation checkpointing {cfg.activation_checkpoint.mode}: {r['checkpointed_blocks']} blocks "
               "checkpointed")
         for entry in r["shardings"]:

@@ -6,7 +6,8 @@ pipeline split is the trainer's own (`plan_stages`), the rank's parameter shares
 shapes under EP and FSDP's dim-0 sharding (a test holds them equal to the dry run's counts on the meta device),
 and on top of those:
 
-* state: parameters (fp32 master, local shards), gradients (same), AdamW state (2x parameters);
+* state: parameters (fp32 master, local shards), gradients (same), AdamW state (2x parameters; 1x with
+  `optimizer.state_dtype = "bfloat16"`);
 * activations held after forward under the activation-checkpointing policy, from the tensors each block creates
   (what autograd saves with no AC; block inputs for full AC; the outputs of `save_ops` for per-op selective);
 * transients: the loss (logits and their fp32 softmax, in chunks for large logits), one block's backward
@@ -38,6 +39,7 @@ from trainer.tools.dry_run import compact
 from trainer.job_config import load_config, model_job, validate_job
 from core.loss import chunk_rows
 from core.memory_types import Item, Shape
+from trainer.optimizer import STATE_DTYPES
 from trainer.registry import get_model_spec
 
 __all__ = ["plan", "main"]
@@ -87,16 +89,20 @@ def _block_modes(cfg, layer_ids: list[int]) -> dict[int, str]:
     return {i: ac.mode for i in layer_ids}
 
 
-def _optimizer_transient(cfg, param_bytes: int, largest_local_param: int) -> int:
-    """Foreach AdamW allocates one parameter-sized temporary per group; fused and for-loop almost nothing."""
+def _optimizer_transient(cfg, param_bytes: int, largest_local_param: int, device: str) -> int:
+    """Foreach AdamW allocates one parameter-sized temporary per group; fused and for-loop almost nothing. With
+    bf16 moments (`BF16MomentsAdamW`) the step holds float32 copies of both moments instead: of one tensor when
+    it steps a tensor at a time eagerly (for-loop; fused off CUDA), of the group with foreach; none in the compiled
+    fused kernel on CUDA."""
     opt = cfg.optimizer
+    copies = 2 if opt.state_dtype == "bfloat16" else 1
     if opt.implementation == "fused":
-        return 0
+        return 2 * largest_local_param if copies == 2 and device != "cuda" else 0
     if opt.implementation == "for-loop":
-        return largest_local_param
+        return copies * largest_local_param
     if opt.max_group_bytes > 0:
-        return min(param_bytes, max(opt.max_group_bytes, largest_local_param))
-    return param_bytes
+        return copies * min(param_bytes, max(opt.max_group_bytes, largest_local_param))
+    return copies * param_bytes
 
 
 _STAGES: dict[tuple, tuple] = {}
@@ -276,8 +282,9 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
         phases["reduce_scatter"] = all_units + unsharded + params // len(stages)
         notes.append("pipeline with FSDP: gradients reduce-scattered after the last microbatch (units stay gathered)")
     grads = params
-    opt_state = 2 * params
-    opt_transient = _optimizer_transient(cfg, params, stage.largest_local_param)
+    moment_bytes = STATE_DTYPES[cfg.optimizer.state_dtype].itemsize
+    opt_state = 2 * moment_bytes * stage.param_numel
+    opt_transient = _optimizer_transient(cfg, params, stage.largest_local_param, device)
     fwd_bwd_peak = max(phases.values())
     optimizer_phase = grads + opt_transient
     buffers = stage.buffer_bytes
@@ -302,7 +309,9 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
             "cp_recomputed_bytes": sum(it.nbytes for b in stage.blocks for it in b.items
                                        if it.name.startswith("cp.") and modes[b.layer] == "full"),
             "fsdp_unit_bytes": units if fsdp else [], "unit_element_bytes": pbytes, "hidden_bytes": stage.hidden_bytes,
-            "grad_bytes": grads, "param_count": stage.param_numel, "token_bytes": hidden * max(a, 2)}
+            "grad_bytes": grads, "param_count": stage.param_numel, "token_bytes": hidden * max(a, 2),
+            # AdamW's traffic per parameter: weights read and written, the gradient read, both moments read and written
+            "optimizer_bytes_per_param": 3 * 4 + 4 * moment_bytes}
     return {
         "rank": pp_rank * (dims.world_size // dims.pp), "coords": {"pp": pp_rank, "dp_replicate": 0, "efsdp": 0,
                                                                    "ep": 0, "cp": 0},

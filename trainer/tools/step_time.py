@@ -16,7 +16,7 @@ predicts S). docs/memory.md, "Layout planner", writes the model down:
                gradients (backward), per block and microbatch, (cp-1)/cp of the whole sequences' bytes
     pp       = the hidden state and its gradient, per microbatch and stage boundary
     hsdp     = all-reduce of the sharded fp32 gradients over the replicas, once per step
-    optimizer= AdamW's 28 bytes of memory traffic per local parameter over HBM
+    optimizer= AdamW's memory traffic per local parameter over HBM: 28 bytes, 20 with bf16 moments
 
     step = max(compute + bubble, fsdp) + first all-gather + ep + cp + pp + hsdp + optimizer
 
@@ -133,7 +133,7 @@ def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work
         bw = _bandwidth(hw, r, s) * hw.collective_efficiency
         hsdp = 2 * (r - 1) / r * work["grad_bytes"] / bw
 
-    optimizer = 28 * work["param_count"] / (hw.hbm_gbps * 1e9)
+    optimizer = work["optimizer_bytes_per_param"] * work["param_count"] / (hw.hbm_gbps * 1e9)
     total = max(compute + bubble, fsdp) + first_gather + ep + cp + pp + hsdp + optimizer
     return {"step_s": total, "compute_s": compute, "bubble_s": bubble, "fsdp_s": fsdp, "ep_s": ep, "cp_s": cp,
             "pp_s": pp, "hsdp_s": hsdp, "optimizer_s": optimizer}
