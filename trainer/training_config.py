@@ -30,7 +30,8 @@ class TrainingSection:
     deterministic: bool = False
     """Use deterministic algorithms (slower) so two runs with the same seed match bit for bit."""
     dtype: str = option("float32", choices=["float32", "bfloat16"])
-    """Compute dtype of forward and backward; master weights and optimizer state always stay float32."""
+    """Compute dtype of forward and backward; master weights always stay float32 (the AdamW moments' dtype is
+    optimizer.state_dtype)."""
     mixed_precision_reduce: str = option("float32", choices=["float32", "bfloat16"])
     """Dtype in which data-parallel gradient reductions are done."""
     on_nonfinite: str = option("skip", choices=["skip", "stop"])
