@@ -34,7 +34,7 @@ def main(argv: list[str]) -> None:
     if distributed:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    gather = CrossRankMemory(dist.group.WORLD if distributed else None, torch.device("cpu"), rank, world, 1, 1)
+    gather = CrossRankMemory(dist.group.WORLD if distributed else None, rank, world, 1, 1)
     values = {field: float(rank) for field in FIELDS}
     times = []
     for i in range(warmup + calls):

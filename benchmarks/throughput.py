@@ -16,8 +16,10 @@ process group, so communication is 0. Under torchrun (RANK in the environment) e
 (`trainer.device.init_distributed`) and trains its part of the job with the degrees of `[parallelism]`, exactly as
 `trainer.train` would; only rank 0 prints the report, and the other ranks' logs go to stderr. Forced for the
 benchmark: tensorboard, validation and checkpointing off, outputs in a temporary folder, `training.steps` =
-warm-up + timed + 1 profiled step. Each step is timed from a device synchronisation before it to one after it (on
-CUDA a step's kernels may still run when `train_step` returns).
+warm-up + timed + free-running + 1 profiled step. Each timed step is timed from a device synchronisation before it
+to one after it (on CUDA a step's kernels may still run when `train_step` returns); the free-running steps are
+timed together, with no synchronisation between them, as training runs; the time split comes from the separately
+profiled last step.
 
 Output: one JSON object on stdout (the trainer's log on stderr); under torchrun the numbers are rank 0's unless
 said otherwise:
@@ -32,7 +34,12 @@ said otherwise:
               the recipe runs as FP8 GEMMs: that of the modules the `[fp8]` filters select, from the model spec's
               per-module table `module_flops`; 0 for recipe none; null for a model without the table) and
               fp8_flops_share (its share of FLOPs per token)
-  tokens_per_s            per rank, at the median step time
+  tokens_per_s            per rank, at the median step time (each step timed between two synchronisations)
+  free_running            steps, seconds, tokens_per_s, mfu of `--steps` further steps timed as training runs
+                          them: one device synchronisation before the first and one after the last, none
+                          between (the host launches the next step while the device runs this one; the loop's
+                          bookkeeping between steps counts). On CUDA the gap to tokens_per_s is the device's idle
+                          time that the per-step synchronisations add
   aggregate_tokens_per_s  the job's tokens/s: the sum over ranks of each rank's tokens/s at its own median step
                           time (divided by pp, since the stages of a pipeline share their tokens); gathered with
                           a collective after the timed steps. Equals tokens_per_s in one process
@@ -249,9 +256,9 @@ def time_budget(measured: dict[str, float], total: float, cfg, tokens: int, peak
 
 
 def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> dict | None:
-    """Train `warmup + steps + 1` steps with the trainer in this process (one rank of the job under torchrun)
-    and measure them; returns the report on rank 0, None on the other ranks. `gemm_n`: the size of the peak's
-    GEMMs (None: GEMM_N of the device)."""
+    """Train `warmup + 2 steps + 1` steps with the trainer in this process (one rank of the job under torchrun)
+    and measure them: `steps` timed one by one, `steps` free-running, one profiled; returns the report on rank 0,
+    None on the other ranks. `gemm_n`: the size of the peak's GEMMs (None: GEMM_N of the device)."""
     import torch
     import torch.distributed as dist
     from quantization.fp8.accounting import fp8_flops_per_token
@@ -261,7 +268,8 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
     from trainer.job_config import load_config
     from trainer.train import Trainer, prepare
 
-    total = warmup + steps + 1
+    total = warmup + 2 * steps + 1
+    free_first, free_last = warmup + steps + 1, warmup + 2 * steps
     distributed = "RANK" in os.environ
     world_size, rank = devices.world_size_from_env(), int(os.environ.get("RANK", 0))
     with tempfile.TemporaryDirectory(prefix="throughput_") as out:
@@ -279,7 +287,7 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
         try:
             trainer = Trainer(prep, device)
             profiled_step, prof_box = total, []
-            step_times, allocator_peaks = [], []
+            step_times, allocator_peaks, free_running = [], [], []
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
             @contextlib.contextmanager
@@ -296,6 +304,18 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
                                             torch.cuda.max_memory_reserved(device)))
 
             @contextlib.contextmanager
+            def free(step: int):
+                # as training runs: one synchronisation before the first of these steps and one after the last, so
+                # the host launches a step while the device still runs the one before
+                if step == free_first:
+                    synchronize(device)
+                    free_running.append(time.perf_counter())
+                yield
+                if step == free_last:
+                    synchronize(device)
+                    free_running.append(time.perf_counter())
+
+            @contextlib.contextmanager
             def profiled(step: int):
                 # the trainer labels data, forward and optimizer itself; waiting on a collective is labelled here
                 with profile(activities=activities) as prof, \
@@ -308,7 +328,8 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
 
             history: list[dict] = []
             try:
-                trainer.train(history, around_step=lambda step: (profiled if step == profiled_step else timed)(step))
+                trainer.train(history, around_step=lambda step: (
+                    profiled if step == profiled_step else free if step >= free_first else timed)(step))
             finally:
                 trainer.close()
 
@@ -337,6 +358,8 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
         return None
 
     tokens_per_s = tokens_per_step / median
+    free_seconds = free_running[1] - free_running[0]
+    free_tokens_per_s = steps * tokens_per_step / free_seconds
     flops = trainer.flops_per_token
     model_tflops = tokens_per_s * flops / 1e12
     module_flops = trainer.spec.tools.module_flops
@@ -389,6 +412,8 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
                    "parallel_degrees": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "ep": dims.ep,
                                         "pp": dims.pp}},
         "tokens_per_s": tokens_per_s,
+        "free_running": {"steps": steps, "seconds": free_seconds, "tokens_per_s": free_tokens_per_s,
+                         "mfu": free_tokens_per_s * flops / 1e12 / peak},
         "aggregate_tokens_per_s": aggregate,
         "rank_step_time_s": rank_medians,
         "step_time_s": {"median": median, "min": min(times), "max": max(times), "all": times},

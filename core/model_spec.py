@@ -87,7 +87,7 @@ def _no_step_state(model_parts: list[nn.Module], global_tokens: int) -> None:
     return None
 
 
-def _no_scalars(model_parts: list[nn.Module], moe: MoESection, dp_group: Any) -> dict[str, float]:
+def _no_scalars(model_parts: list[nn.Module], moe: MoESection, dp_group: Any) -> dict[str, Any]:
     return {}
 
 
@@ -101,8 +101,10 @@ class TrainingHooks:
     before_step: Callable[[list[nn.Module], int], None] = _no_step_state
     """(model_parts, global_tokens) -> None: per-step state set before the step's first forward, from the number of
     valid label tokens in the global batch (e.g. the aux loss's 1 / global_tokens)."""
-    post_optimizer_step: Callable[[list[nn.Module], MoESection, Any], dict[str, float]] = _no_scalars
-    """(model_parts, moe, dp_group) -> scalars to log, after the optimizer step (e.g. the MoE bias update)."""
+    post_optimizer_step: Callable[[list[nn.Module], MoESection, Any], dict[str, Any]] = _no_scalars
+    """(model_parts, moe, dp_group) -> scalars to log, after the optimizer step (e.g. the MoE bias update): floats,
+    or 0-d device tensors, which the loop reads on its next logging step with its own values in one transfer (a
+    read here would make the host wait for the device every step)."""
 
 
 @dataclass(frozen=True)

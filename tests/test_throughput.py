@@ -64,6 +64,10 @@ def check_throughput_report(report: dict, world_size: int, ep: int, memory_track
     assert report["tokens_per_s"] == pytest.approx(tokens_per_step / steps["median"])
     assert report["aggregate_tokens_per_s"] == pytest.approx(sum(tokens_per_step / t for t in ranks))
     assert report["model_tflops"] == pytest.approx(report["tokens_per_s"] * config["flops_per_token"] / 1e12)
+    free = report["free_running"]
+    assert free["steps"] == 2 and free["seconds"] > 0
+    assert free["tokens_per_s"] == pytest.approx(2 * tokens_per_step / free["seconds"])
+    assert free["mfu"] == pytest.approx(free["tokens_per_s"] * config["flops_per_token"] / 1e12 / report["peak_tflops"])
     peaks = report["gemm_peak_tflops"]
     fp8 = config["fp8_recipe"] != "none"
     # the FP8 peak is measured with a recipe only, and then counts the FP8 FLOPs' time in mfu_recipe

@@ -103,3 +103,12 @@ def end_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (a batch) on `device`. On CUDA it goes through pinned memory without blocking: a copy from
+    pageable memory, or a blocking one, makes the host wait until the device has caught up (a synchronisation per
+    microbatch). torch's pinned-memory cache keeps the pinned copy until the transfer has run."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

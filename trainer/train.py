@@ -62,10 +62,15 @@ from trainer.metrics import MetricLogger, init_logging, new_run_dir
 from trainer.optimizer import build_optimizer
 from trainer.preemption import PreemptedError, Preemption, Stop, listen, parse_signals
 from trainer.prepare import Prepared, prepare, warn_settings_without_effect
+from trainer.step_scalars import PendingSteps, StepRecord, read_to_host
 from trainer.summary import RUN_METRICS, RunSummary, run_hparams
 from trainer.watchdog import COLLECTIVE_MARGIN_S, Heartbeat, set_process_group_timeouts
 
 logger = logging.getLogger("trainer")
+
+
+_NONFINITE = "nonfinite"
+"""The key of a step's non-finite flag among its pending scalars (read and removed before logging)."""
 
 
 class TrainingError(RuntimeError):
@@ -115,6 +120,12 @@ class Trainer:
         self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.model_parts]
         self.lr_schedulers = [build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)
                               for opt in self.optimizers]
+        # torch's flag for an optimizer that takes `found_inf` (fused AdamW): a non-finite step is skipped on the device
+        self._skips_on_device = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in self.optimizers)
+        if not self._skips_on_device and self.rank == 0:
+            logger.info("optimizer.implementation = %s: skipping a non-finite step makes the host wait for each "
+                        "step's loss and gradient norm (torch's foreach and for-loop AdamW take no device-side "
+                        "flag; fused does)", cfg.optimizer.implementation)
         self.total_params, self.active_params, self.flops_per_token = self.spec.param_and_flop_counts(
             prep.model_args, cfg.training.seq_len)
         # FSDP casts parameters itself (MixedPrecisionPolicy); without FSDP, bf16 compute comes from autocast
@@ -126,8 +137,8 @@ class Trainer:
         self.snapshots = MemorySnapshots(self.memory, os.path.join(cfg.job.dump_folder, "memory_snapshots"),
                                          cfg.memory.snapshot_freq, cfg.memory.dump_on_leak, self.rank)
         world, pp, ep = self.dims.world_size, self.dims.pp, self.dims.ep
-        self.cross_rank = CrossRankMemory(dist.group.WORLD if dist.is_initialized() else None, device, self.rank,
-                                          world, pp, ep)
+        self.cross_rank = CrossRankMemory(dist.group.WORLD if dist.is_initialized() else None, self.rank, world, pp,
+                                          ep)
         self.device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         self.leak_detector = LeakDetector.from_config(
             cfg.memory, on_leak=self.snapshots.on_leak, where=place_of(self.rank, world, pp, ep) if world > 1 else "")
@@ -251,6 +262,15 @@ class Trainer:
             dist.all_reduce(t, group=self.pp_group)
         return t
 
+    def _host_sum(self, count: int | torch.Tensor) -> int:
+        """A host-side count (tokens of the batch) summed over the data- and context-parallel ranks. Its tensor stays
+        on the CPU, so the reduction runs on the host backend (gloo; the process group has it beside NCCL,
+        `trainer/device.py`) and never waits for the device."""
+        total = torch.tensor(count.tolist() if isinstance(count, torch.Tensor) else count, dtype=torch.int64)
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+        return total.tolist()
+
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: int) -> torch.Tensor:
         """Accumulate gradients of sum-CE / global_tokens over this rank's batch; return the local loss sum."""
         lbs = self.cfg.training.local_batch_size
@@ -262,8 +282,8 @@ class Trainer:
         for start in range(0, inputs.shape[0], lbs):
             self._advance("the pipeline schedule (forward/backward of every microbatch)" if self.schedule is not None
                           else f"forward/backward of microbatch {start // lbs + 1}/{count}")
-            x = inputs[start:start + lbs].to(self.device)
-            y = labels[start:start + lbs].to(self.device)
+            x = devices.to_device(inputs[start:start + lbs], self.device)
+            y = devices.to_device(labels[start:start + lbs], self.device)
             if self.schedule is not None:
                 # the schedule splits the local batch into pipeline microbatches and runs forward and backward
                 losses = [] if self.has_last_stage else None
@@ -284,15 +304,17 @@ class Trainer:
                 raise PreemptedError
         return loss_sum
 
-    def train_step(self, step: int) -> dict[str, float]:
-        """One optimizer step over the global batch; returns the scalars to log."""
+    def train_step(self, step: int) -> dict[str, float | torch.Tensor]:
+        """One optimizer step over the global batch; returns the scalars to log. Device values stay 0-d tensors
+        (the loss, the gradient norm, whether the step was skipped as non-finite, the model's statistics): the
+        loop reads them at its next logging step, all in one transfer (`trainer/step_scalars.py`)."""
         cfg = self.cfg
         position = self.train_loader.state_dict() if self.preemption.signals else None
         with record_function("phase/data"):
             inputs, labels = self.train_loader.next_batch()
         self._advance("counting the batch's tokens")
         own_labels = own_share(self.context_parallel, labels)
-        global_tokens = self._all_reduce_sum(count_valid_tokens(own_labels).to(self.device)).item()
+        global_tokens = self._host_sum(count_valid_tokens(own_labels))
         self.spec.hooks.before_step(self.model_parts, global_tokens)
 
         try:
@@ -306,22 +328,32 @@ class Trainer:
         with record_function("phase/optimizer"):
             params = [p for part in self.model_parts for p in part.parameters()]
             grad_norm = clip_grad_norm_(params, cfg.training.max_norm, self.pp_group)
-            loss = self._all_reduce_sum(loss_sum, with_pp=True).item() / global_tokens
+            loss = self._all_reduce_sum(loss_sum, with_pp=True) / global_tokens
             lr = self.lr_schedulers[0].get_last_lr()[0]
-            finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
-            if finite:
-                for opt in self.optimizers:
-                    opt.step()
+            nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+            self._optimizer_step(nonfinite)
             for sched in self.lr_schedulers:
                 sched.step()
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
-            if not finite:
-                self._handle_nonfinite(step, loss, grad_norm.item())
             scalars = self.spec.hooks.post_optimizer_step(self.model_parts, cfg.moe, self.dp_group)
-        scalars.update({"loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
-                        "local_tokens": float(own_labels.numel()), "global_tokens": float(global_tokens)})
+        scalars.update({"loss": loss, "grad_norm": grad_norm, _NONFINITE: nonfinite, "lr": lr,
+                        "local_tokens": own_labels.numel(), "global_tokens": global_tokens})
         return scalars
+
+    def _optimizer_step(self, nonfinite: torch.Tensor) -> None:
+        """Step every optimizer unless the step's loss or gradient norm is not finite. A fused AdamW (and the
+        bf16-moment one) skips on the device, given the flag as `found_inf` (the hook torch's GradScaler uses), so
+        the host never waits for the decision; torch's foreach and for-loop AdamW take no such flag, and the host
+        reads it (one wait per step, as torch's GradScaler does for them)."""
+        if self._skips_on_device:
+            found_inf = nonfinite.float()
+            for opt in self.optimizers:
+                opt.found_inf = found_inf
+                opt.step()
+        elif not read_to_host([nonfinite])[0]:
+            for opt in self.optimizers:
+                opt.step()
 
     def _handle_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
         """A non-finite loss or grad norm: the update was skipped; stop the run if the config says so."""
@@ -331,14 +363,14 @@ class Trainer:
         logger.warning("%s; optimizer update skipped", message)
 
     @torch.no_grad()
-    def validate(self) -> float:
+    def validate(self) -> torch.Tensor:
         """Mean loss over the first `validation.steps` batches of the validation data, in eval mode with no_grad
-        (no expert-bias counting)."""
+        (no expert-bias counting), as a 0-d device tensor (read with the step's other values)."""
         self.val_loader.load_state_dict(self._val_start)
         for part in self.model_parts:
             part.eval()
         total = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        tokens = 0
         try:
             lbs = self.cfg.training.local_batch_size
             for index in range(self.cfg.validation.steps):
@@ -346,10 +378,10 @@ class Trainer:
                     raise PreemptedError
                 self._advance(f"validation batch {index + 1}/{self.cfg.validation.steps}")
                 inputs, labels = self.val_loader.next_batch()
-                tokens += count_valid_tokens(own_share(self.context_parallel, labels)).to(self.device)
+                tokens += count_valid_tokens(own_share(self.context_parallel, labels)).tolist()
                 for start in range(0, inputs.shape[0], lbs):
-                    x = inputs[start:start + lbs].to(self.device)
-                    y = labels[start:start + lbs].to(self.device)
+                    x = devices.to_device(inputs[start:start + lbs], self.device)
+                    y = devices.to_device(labels[start:start + lbs], self.device)
                     with self.autocast:
                         if self.pipeline is not None:
                             seq = x.shape[1] // (self.context_parallel.degree if self.context_parallel else 1)
@@ -361,7 +393,7 @@ class Trainer:
         finally:
             for part in self.model_parts:
                 part.train()
-        return (self._all_reduce_sum(total, with_pp=True) / self._all_reduce_sum(tokens)).item()
+        return self._all_reduce_sum(total, with_pp=True) / self._host_sum(tokens)
 
     def train(self, history: list[dict] | None = None,
               around_step: Callable[[int], contextlib.AbstractContextManager] | None = None) -> list[float]:
@@ -379,31 +411,28 @@ class Trainer:
         if self.preemption.requested():  # a signal during start-up, config or checkpoint load
             self._stop_for_preemption(self.start_step)
             steps = range(0)
+        pending = PendingSteps()
         with self.memory, self.snapshots:
+            self._window_start = time.perf_counter()
             for step in steps:
                 self._advance("reading its batch", step)
-                t0 = time.perf_counter()
                 try:
                     with data_errors_at(cfg, step, self.rank, validation=False), \
                             (around_step(step) if around_step else contextlib.nullcontext()):
                         scalars = self.train_step(step)
                 except PreemptedError:  # between microbatches: the step was rolled back
+                    self._log_pending(pending, summary, losses, history)
                     self._stop_for_preemption(step - 1)
                     break
-                elapsed = time.perf_counter() - t0
                 self._advance("metrics and logging")
                 mem = self.memory.step_end()
                 self.snapshots.step_end(step)
-                losses.append(scalars["loss"])
-                summary.add_step(step, scalars["loss"], scalars.pop("global_tokens"), elapsed)
-                tokens_per_s = scalars.pop("local_tokens") / elapsed
-                scalars["throughput/tokens_per_s"] = tokens_per_s
-                scalars["throughput/tflops"] = tokens_per_s * self.flops_per_token / 1e12
-                rank_scalars = {**MemoryMonitor.to_scalars(mem), "throughput/tokens_per_s": tokens_per_s}
+                record = StepRecord(step, scalars, MemoryMonitor.to_scalars(mem), scalars.pop("local_tokens"),
+                                    scalars.pop("global_tokens"))
                 verdict = None
                 if mem.allocated_bytes is not None:  # the detector must never see unmeasured memory
                     verdict = self.leak_detector.update(step, mem.allocated_bytes, mem.breakdown)
-                    rank_scalars.update(self.leak_detector.scalars(verdict))
+                    record.rank_scalars.update(self.leak_detector.scalars(verdict))
                 table = self.cross_rank.gather(memory_values(mem, verdict, self.device_bytes),
                                                alarm=verdict is not None and verdict is self.leak_detector.alarm)
                 if table is not None:  # rank 0: the spread over the ranks, and who holds the most
@@ -412,24 +441,21 @@ class Trainer:
                     if table.alarms():
                         scalars.update({ALARM_TAG: 1.0, ALARM_RANK_TAG: float(table.alarms()[0])})
                 stop = False
-                if self.val_loader is not None and step % cfg.validation.freq == 0:
+                validated = self.val_loader is not None and step % cfg.validation.freq == 0
+                if validated:
                     try:
                         with data_errors_at(cfg, step, self.rank, validation=True):
                             scalars["validation/loss"] = self.validate()
-                        summary.validation = (step, scalars["validation/loss"])
-                        logger.info("step %d validation loss %.4f", step, scalars["validation/loss"])
                     except PreemptedError:  # the step itself is done: its checkpoint is saved below
                         stop = True
                 if self.dims.ep_enabled:
                     # the comm backend's own scalars, measured now (e.g. handles alive past the step)
                     scalars.update(get_comm_backend(cfg.parallelism.expert_parallel_comm_backend).metrics())
-                self.metrics.log(step, scalars, rank_scalars)
-                if history is not None:
-                    history.append({**rank_scalars, **scalars})
-                # the first step of a run is always shown: it is the reference the later losses are read against
-                if table is not None and (step % cfg.metrics.log_freq == 0
-                                          or step in (self.start_step + 1, cfg.training.steps)):
-                    self._console(step, scalars, tokens_per_s, table)
+                pending.add(record)
+                alarm = verdict is not None and verdict is self.leak_detector.alarm
+                # a step that logs nothing reads nothing from the device; "stop" must know each step's verdict now
+                if self._logs_at(step) or validated or alarm or cfg.training.on_nonfinite == "stop":
+                    self._log_pending(pending, summary, losses, history, table)
                 # after the step is logged: the alarm's step and slope are in tensorboard when the run stops
                 self.leak_detector.check()
                 if self.checkpoint.due(step, last=step == cfg.training.steps):
@@ -439,12 +465,49 @@ class Trainer:
                     self._enter_train_timeout()
                 self._advance("the end of step (preemption poll)")
                 if stop or self.preemption.requested():
+                    self._log_pending(pending, summary, losses, history)
                     self._stop_for_preemption(step)
                     break
         self.checkpoint.finish()  # the summary names the last checkpoint: an async save must be published first
         if summary.steps or self.preempted is None:  # preempted before its first step: its line says it all
             self._log_summary(summary)
         return losses
+
+    def _logs_at(self, step: int) -> bool:
+        """Whether `step` is a logging step: every `metrics.log_freq`-th, the run's first (the reference the later
+        losses are read against) and its last."""
+        return step % self.cfg.metrics.log_freq == 0 or step in (self.start_step + 1, self.cfg.training.steps)
+
+    def _log_pending(self, pending: PendingSteps, summary: RunSummary, losses: list[float],
+                     history: list[dict] | None, table: RankTable | None = None) -> None:
+        """Read the pending steps' device values (one host transfer) and log them: every step's scalars to
+        tensorboard at its own step, the throughput of the steps since the last logging step (tokens over wall
+        time: the rate as training runs, with no wait for the device in between), non-finite steps, and the last
+        step's console line with this step's memory `table` (rank 0)."""
+        if not len(pending):
+            return
+        records = pending.flush()
+        now = time.perf_counter()
+        seconds, self._window_start = now - self._window_start, now
+        tokens_per_s = sum(r.local_tokens for r in records) / seconds
+        for record in records:
+            scalars, last = record.scalars, record is records[-1]
+            if scalars.pop(_NONFINITE):
+                self._handle_nonfinite(record.step, scalars["loss"], scalars["grad_norm"])
+            losses.append(scalars["loss"])
+            summary.add_step(record.step, scalars["loss"], record.global_tokens, seconds if last else 0.0)
+            if "validation/loss" in scalars:
+                summary.validation = (record.step, scalars["validation/loss"])
+                logger.info("step %d validation loss %.4f", record.step, scalars["validation/loss"])
+            if last:
+                scalars.update({"throughput/tokens_per_s": tokens_per_s,
+                                "throughput/tflops": tokens_per_s * self.flops_per_token / 1e12})
+                record.rank_scalars["throughput/tokens_per_s"] = tokens_per_s
+            self.metrics.log(record.step, scalars, record.rank_scalars)
+            if history is not None:
+                history.append({**record.rank_scalars, **scalars})
+        if table is not None and self._logs_at(records[-1].step):
+            self._console(records[-1].step, records[-1].scalars, tokens_per_s, table)
 
     def _console(self, step: int, scalars: dict[str, float], tokens_per_s: float, table: RankTable) -> None:
         """The step's console line (rank 0): memory of the rank with the largest peak, named when there are

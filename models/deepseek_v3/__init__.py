@@ -119,12 +119,12 @@ def before_step(model_parts, global_tokens: int) -> None:
             moe.aux_loss_grad_scale = 1.0 / max(global_tokens, 1)
 
 
-def post_optimizer_step(model_parts, moe_cfg: MoESection, dp_group) -> dict[str, float]:
-    """Aux-loss-free expert-bias update (once per optimizer step) and the routing statistics to log."""
+def post_optimizer_step(model_parts, moe_cfg: MoESection, dp_group) -> dict[str, torch.Tensor]:
+    """Aux-loss-free expert-bias update (once per optimizer step) and the routing statistics to log, as 0-d device
+    tensors (the trainer reads them with its other step values, in one transfer on a logging step)."""
     moe_layers = [m for part in model_parts for m in part.moe_layers()]
     layer_ids = [m.layer_id for m in moe_layers]
     counts_LE = update_expert_bias(moe_layers, moe_cfg.load_balance_coeff, dp_group)
-    # every statistic as a device tensor first, then one host transfer for all of them (not one sync per value)
     names, values = [], []
     for layer_id, counts_E, moe in zip(layer_ids, counts_LE, moe_layers):
         names.append(f"moe/layer_{layer_id}/max_over_mean")
@@ -137,9 +137,7 @@ def post_optimizer_step(model_parts, moe_cfg: MoESection, dp_group) -> dict[str,
             values.append(per_rank.max() / per_rank.mean().clamp_min(1e-9))
         names.append(f"moe/layer_{layer_id}/bias_range")
         values.append(moe.expert_bias.max() - moe.expert_bias.min())
-    if not values:
-        return {}
-    return dict(zip(names, torch.stack([v.float() for v in values]).tolist()))
+    return dict(zip(names, values))
 
 
 def _own_share(context_parallel, t: torch.Tensor) -> torch.Tensor:

@@ -307,8 +307,9 @@ class MoE(nn.Module):
 
     @aux_loss_grad_scale.setter
     def aux_loss_grad_scale(self, value: float) -> None:
-        # a new tensor, not an in-place write: a backward still pending from an earlier forward keeps its scale
-        self._aux_grad_scale = torch.tensor(value, dtype=torch.float64, device=self._aux_grad_scale.device)
+        # a new tensor, not an in-place write: a backward still pending from an earlier forward keeps its scale;
+        # filled on the device (torch.full), not copied from the host, which would wait for the device on CUDA
+        self._aux_grad_scale = torch.full((), value, dtype=torch.float64, device=self._aux_grad_scale.device)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape

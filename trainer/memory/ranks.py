@@ -120,16 +120,17 @@ def memory_layout(pp: int, cuda: bool) -> dict:
 class CrossRankMemory:
     """Gathers each rank's row to rank 0 (no collective in a single process).
 
-    group: the process group of every rank (None: a single process). device: where the gather's tensors live
-    (the process group's device: CUDA for NCCL, CPU for gloo).
+    group: the process group of every rank (None: a single process). The rows are host values (allocator counters,
+    the exact tracker's, RSS), so their tensors live on the CPU and the gather runs on the group's host backend
+    (gloo, beside NCCL on CUDA: `trainer/device.py`): it never waits for the device.
     """
 
-    def __init__(self, group, device: torch.device, rank: int, world_size: int, pp: int, ep: int) -> None:
-        self.group, self.device, self.rank = group, device, rank
+    def __init__(self, group, rank: int, world_size: int, pp: int, ep: int) -> None:
+        self.group, self.rank = group, rank
         self.world_size, self.pp, self.ep = world_size, pp, ep
         # the buffers every step reuses: this rank's row, and on rank 0 one row per rank
-        self._mine = torch.empty(len(FIELDS) + 1, dtype=torch.float64, device=device)
-        self._table = torch.empty(world_size, len(FIELDS) + 1, dtype=torch.float64, device=device) \
+        self._mine = torch.empty(len(FIELDS) + 1, dtype=torch.float64)
+        self._table = torch.empty(world_size, len(FIELDS) + 1, dtype=torch.float64) \
             if rank == 0 and group is not None else None
 
     def gather(self, values: dict[str, float | None], alarm: bool) -> RankTable | None:
