@@ -521,3 +521,249 @@ def test_backward_memory_of_fp8_gemms_is_what_the_memory_plan_adds(dtype):
         got = _backward_peak_beyond_gradients(lambda: fp8_grouped_mm(x, w, offs, recipe), [x, w, offs],
                                               a * (P * K + E * N * K))
         assert got == pytest.approx(gemm_backward_extra_bytes(recipe, P, K, N, a, E), rel=0.01), recipe
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+def _platform(capability, **deps):
+    from quantization.fp8.kernels import Platform
+
+    base = dict(blockwise_scaled_mm=True, scaled_grouped_mm=True, torchao=True, deep_gemm=False, torch_version="2.11")
+    return Platform("cuda", capability, **{**base, **deps}) if capability else Platform("cpu", torchao=True)
+
+
+@pytest.mark.parametrize("capability, linear, wgrad, rowwise_linear, rowwise_experts, blockwise_experts", [
+    (None, "emulated", "emulated", "torchao Float8Linear", "emulated", "emulated"),  # no CUDA
+    ((8, 0), "emulated", "emulated", "emulated", "emulated", "emulated"),  # A100: no FP8 tensor cores
+    ((8, 9), "emulated", "emulated", "torchao Float8Linear", "emulated", "emulated"),  # L40: _scaled_mm only
+    ((9, 0), "scaled_mm BlockWise1x128 x BlockWise128x128", "scaled_mm BlockWise1x128 x BlockWise1x128",
+     "torchao Float8Linear", "_scaled_grouped_mm rowwise", "scaled_mm per expert"),
+    ((10, 0), "emulated", "emulated", "torchao Float8Linear", "_scaled_grouped_mm rowwise", "emulated"),  # B200
+], ids=["cpu", "sm80", "sm89", "sm90", "sm100"])
+def test_kernel_choice_by_capability(capability, linear, wgrad, rowwise_linear, rowwise_experts, blockwise_experts):
+    from quantization.fp8.kernels import blockwise_linear_kernels, grouped_kernel, rowwise_linear_kernel
+
+    p = _platform(capability)
+    k = blockwise_linear_kernels(p, torch.bfloat16, 8192, 2048, 3072)
+    assert (k.fwd, k.dgrad, k.wgrad) == (linear, linear, wgrad)
+    assert rowwise_linear_kernel(p) == rowwise_linear
+    assert grouped_kernel(p, "rowwise", torch.bfloat16, 2048, 1408) == rowwise_experts
+    assert grouped_kernel(p, "blockwise", torch.bfloat16, 2048, 1408) == blockwise_experts
+
+
+def test_kernel_choice_by_shape_dtype_and_optional_dependencies():
+    from quantization.fp8.kernels import (DEEPGEMM, EMULATED, PER_EXPERT, SCALED_MM_BLOCKS, blockwise_linear_kernels,
+                                          grouped_kernel, rowwise_linear_kernel)
+
+    h100 = _platform((9, 0))
+    # tokens not a multiple of 128: only the weight gradient (its tiles run along the tokens) falls back
+    k = blockwise_linear_kernels(h100, torch.bfloat16, 8190, 2048, 3072)
+    assert (k.fwd, k.dgrad, k.wgrad) == (SCALED_MM_BLOCKS, SCALED_MM_BLOCKS, EMULATED)
+    # a weight dim not a multiple of 128 (wkv_a's 576 outputs), or fp32 compute: all three emulated
+    for dtype, n in ((torch.bfloat16, 576), (torch.float32, 3072)):
+        assert set(vars(blockwise_linear_kernels(h100, dtype, 8192, 2048, n)).values()) == {EMULATED}
+    assert grouped_kernel(h100, "blockwise", torch.bfloat16, 2048, 1376) == EMULATED  # 1376 = 86 x 16
+    assert grouped_kernel(h100, "rowwise", torch.bfloat16, 2048, 1376) == "_scaled_grouped_mm rowwise"
+    assert grouped_kernel(h100, "rowwise", torch.bfloat16, 2048, 1400) == EMULATED  # not a multiple of 16
+    assert grouped_kernel(h100, "rowwise", torch.float32, 2048, 1408) == EMULATED
+    # optional dependencies and the torch build
+    assert grouped_kernel(h100.with_values(deep_gemm=True), "blockwise", torch.bfloat16, 2048, 1536) == DEEPGEMM
+    assert grouped_kernel(h100, "blockwise", torch.bfloat16, 2048, 1536) == PER_EXPERT
+    older = h100.with_values(blockwise_scaled_mm=False, scaled_grouped_mm=False)  # a torch without them
+    assert grouped_kernel(older, "blockwise", torch.bfloat16, 2048, 1536) == EMULATED
+    assert grouped_kernel(older, "rowwise", torch.bfloat16, 2048, 1536) == EMULATED
+    assert blockwise_linear_kernels(older, torch.bfloat16, 8192, 2048, 3072).fwd == EMULATED
+    assert rowwise_linear_kernel(h100.with_values(torchao=False)) == EMULATED
+
+
+def test_kernel_log_line_and_this_machine():
+    from quantization.fp8.kernels import Platform, describe
+
+    here = Platform.detect()
+    assert here.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    cpu = _platform(None)
+    assert describe(cpu, "blockwise").startswith("fp8 blockwise kernels: emulated (CPU)")
+    assert "torchao Float8Linear" in describe(cpu, "rowwise")
+    line = describe(_platform((9, 0)), "blockwise")
+    assert line.startswith("fp8 blockwise kernels: linears fwd/dgrad scaled_mm BlockWise1x128 x BlockWise128x128, "
+                           "wgrad scaled_mm BlockWise1x128 x BlockWise1x128") and "grouped experts scaled_mm per " \
+                           "expert" in line and "sm90" in line
+    assert "grouped experts DeepGEMM (torchao)" in describe(_platform((9, 0), deep_gemm=True), "blockwise")
+    assert "grouped experts _scaled_grouped_mm rowwise" in describe(_platform((9, 0)), "rowwise")
+    assert "emulated (fp8.kernels = emulated" in describe(_platform((9, 0)), "blockwise", "emulated")
+
+
+def test_apply_fp8_chooses_kernels_for_the_platform(caplog):
+    """The conversion logs the kernels; rowwise linears are torchao's where _scaled_mm runs and our emulation on
+    an sm80 GPU or with fp8.kernels = emulated; the modules keep the platform they were chosen for."""
+    import logging
+
+    from models.deepseek_v3.args import FLAVORS
+    from models.deepseek_v3.model import DeepSeekV3Model
+    from models.deepseek_v3.parallelize import MODULE_DEFAULTS, named_blocks
+    from quantization.fp8.config import fp8_selection
+    from quantization.fp8.convert import apply_fp8
+    from trainer.job_config import load_config
+
+    def convert(platform, *args):
+        with torch.device("meta"):
+            model = DeepSeekV3Model(FLAVORS["debugmodel"].replace(n_layers=2))
+        apply_fp8(named_blocks(model), fp8_selection(load_config(list(args)).fp8, MODULE_DEFAULTS), platform)
+        return model
+
+    with caplog.at_level(logging.INFO, logger="quantization.fp8.convert"):
+        model = convert(_platform((9, 0)), "--fp8.recipe", "blockwise")
+    assert any(r.getMessage().startswith("fp8 blockwise kernels: linears fwd/dgrad scaled_mm") for r in caplog.records)
+    assert model.layers["0"].attention.wq.platform.capability == (9, 0)
+    assert model.layers["1"].moe.experts.quantized_mm.platform.capability == (9, 0)
+    assert type(convert(_platform((9, 0)), "--fp8.recipe", "rowwise").layers["0"].attention.wq).__name__ == \
+        "Float8Linear"
+    for platform, extra in ((_platform((8, 0)), []), (_platform((9, 0)), ["--fp8.kernels", "emulated"])):
+        wq = convert(platform, "--fp8.recipe", "rowwise", *extra).layers["0"].attention.wq
+        assert type(wq) is Fp8Linear and wq.recipe == "rowwise"
+
+
+def test_real_kernel_layouts_pass_torchs_checks():
+    """Every real FP8 GEMM's operands and scales, on fake CUDA tensors: torch's own checks of scaled_mm (v2) and
+    _scaled_grouped_mm (its meta kernels, which mirror the CUDA ones: row-major a, column-major b, the blockwise
+    scales' shapes and strides) accept them; the layout the H200 refused ("scale_b must have strides (1, 16)")
+    is refused here too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from quantization.fp8.scaled_gemms import (_scaled_blockwise, blockwise_mm, per_expert_blockwise,
+                                               rowwise_grouped_mm, rowwise_grouped_wgrad)
+
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        M, K, N, E, P = 256, 2048, 640, 3, 640  # K / 128 = 16 blocks, N / 128 = 5 (padding to 8 for 128 x 128)
+        x, w, dy = torch.empty(M, K, **bf16), torch.empty(N, K, **bf16), torch.empty(M, N, **bf16)
+        assert blockwise_mm(x, w, True).shape == (M, N)  # forward
+        assert blockwise_mm(dy, w.t(), True).shape == (M, K)  # dgrad (contraction N: 5 blocks padded to 8)
+        assert blockwise_mm(dy.t(), x.t(), False).shape == (N, K)  # wgrad, 1 x 128 x 1 x 128 along the tokens
+        xg, wg, dyg = torch.empty(P, K, **bf16), torch.empty(E, N, K, **bf16), torch.empty(P, N, **bf16)
+        offs = torch.empty(E, device="cuda", dtype=torch.int32)
+        assert rowwise_grouped_mm(xg, wg, offs).shape == (P, N)
+        assert rowwise_grouped_mm(dyg, wg.transpose(-2, -1), offs).shape == (P, K)
+        seg = torch.empty(P, device="cuda", dtype=torch.int64)
+        assert rowwise_grouped_wgrad(dyg, xg, offs, seg).shape == (E, N, K)
+        ends = [256, 256, 512]  # an empty expert, then rows past the last group
+        assert per_expert_blockwise(xg, wg, ends, "fwd").shape == (P, N)
+        assert per_expert_blockwise(dyg, wg, ends, "dgrad").shape == (P, K)
+        assert per_expert_blockwise(dyg, xg, ends, "wgrad").shape == (E, N, K)
+        q = torch.empty(M, K, device="cuda", dtype=torch.float8_e4m3fn)
+        wq = torch.empty(N, K, device="cuda", dtype=torch.float8_e4m3fn)
+        a_s, w_s = torch.empty(M, K // 128, device="cuda"), torch.empty(N // 128, K // 128, device="cuda")
+        import torch.nn.functional as F
+        with pytest.raises(RuntimeError, match="scale b must have shape"):
+            F.scaled_mm(q, wq.t(), a_s.t().clone().t(), F.ScalingType.BlockWise1x128, w_s.t(),
+                        F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+        assert _scaled_blockwise(q, a_s, wq, w_s, True, torch.bfloat16).shape == (M, N)
+
+
+def _expand(scale: torch.Tensor, rows: int, cols: int, tile_rows: int, tile_cols: int) -> torch.Tensor:
+    return scale.repeat_interleave(tile_rows, 0)[:rows].repeat_interleave(tile_cols, 1)[:, :cols]
+
+
+def _reference_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype):
+    """What F.scaled_mm computes, by the documented meaning of its blockwise scales: a [M, K] with 1 x 128 scales
+    [M, K/128]; b [K, N] with 128 x 128 scales [K/128 (padded to 4), N/128] or 1 x 128 scales [N, K/128]."""
+    import torch.nn.functional as F
+
+    M, K = a.shape
+    N = b.shape[1]
+    assert recipe_a == F.ScalingType.BlockWise1x128
+    a_hp = a.float() * _expand(scale_a, M, K, 1, 128)
+    if recipe_b == F.ScalingType.BlockWise128x128:
+        b_hp = b.float() * _expand(scale_b[:K // 128], K, N, 128, 128)
+    else:
+        b_hp = b.float() * _expand(scale_b.t(), K, N, 128, 1)
+    return (a_hp @ b_hp).to(output_dtype)
+
+
+def _reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
+    """What torch._scaled_grouped_mm computes with rowwise scales: 2D x 3D (a [P, K] scales [P]; b [E, K, N] scales
+    [E, N]) or 2D x 2D over groups of the contraction (a [N, P] scales [E * N], b [P, K] scales [E * K])."""
+    if b.dim() == 3:
+        return torch._grouped_mm(a.float() * scale_a[:, None], b.float() * scale_b[:, None, :], offs=offs).to(
+            out_dtype)
+    E = offs.shape[0]
+    sa, sb = scale_a.view(E, -1), scale_b.view(E, -1)
+    starts = [0] + offs.tolist()[:-1]
+    return torch.stack([(a[:, s:t].float() * sa[e][:, None]) @ (b[s:t].float() * sb[e][None, :])
+                        for e, (s, t) in enumerate(zip(starts, offs.tolist()))]).to(out_dtype)
+
+
+@pytest.mark.parametrize("kernel", ["linear", "_scaled_grouped_mm rowwise", "scaled_mm per expert"])
+def test_real_kernel_paths_against_the_emulation_with_reference_gemms(monkeypatch, kernel):
+    """The real-kernel paths' bookkeeping (which operand, which tiles, slices per expert, scale layouts, empty
+    experts, rows past the last group) on CPU: torch's FP8 GEMMs replaced by references that compute what their
+    scales mean; forward and both gradients equal the emulation's to bf16 rounding (the e4m3 operands are the
+    same bits; only the GEMMs' output rounding differs)."""
+    import torch.nn.functional as F
+
+    from quantization.fp8.gemms import _EMULATED_LINEAR, _Fp8LinearFn
+    from quantization.fp8.kernels import SCALED_MM_BLOCKS, SCALED_MM_TILES, LinearKernels
+
+    monkeypatch.setattr(F, "scaled_mm", _reference_scaled_mm)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _reference_scaled_grouped_mm)
+    gen = torch.Generator().manual_seed(6)
+    if kernel == "linear":
+        x = (torch.randn(256, 384, generator=gen) * torch.logspace(-1, 1, 384)).bfloat16()
+        w = (torch.randn(640, 384, generator=gen) * 0.05).bfloat16()
+        dy = torch.randn(256, 640, generator=gen).bfloat16()
+        real = LinearKernels(SCALED_MM_BLOCKS, SCALED_MM_BLOCKS, SCALED_MM_TILES)
+        fns = tuple(lambda a, b, k=k: _Fp8LinearFn.apply(a, b, "blockwise", k) for k in (_EMULATED_LINEAR, real))
+    else:
+        x, w, dy, offs, _, _ = _grouped_case()
+        x, w, dy = x.bfloat16(), w.bfloat16(), dy.bfloat16()
+        recipe = "rowwise" if "rowwise" in kernel else "blockwise"
+        fns = tuple(lambda a, b, k=k: fp8_grouped_mm(a, b, offs, recipe, k) for k in ("emulated", kernel))
+    results = []
+    for fn in fns:
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xi, wi)
+        y.backward(dy)
+        results.append((y.detach(), xi.grad, wi.grad))
+    for got, want in zip(results[1], results[0]):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert _rel(got.float(), want.float()) < 2 ** -8
+    if kernel != "linear":
+        assert torch.equal(results[1][2][1], torch.zeros_like(w[1]))  # the expert with no tokens
+        assert torch.equal(results[1][0][int(offs[-1]):], torch.zeros_like(y[int(offs[-1]):]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["linear", "_scaled_grouped_mm rowwise", "scaled_mm per expert"])
+def test_real_kernel_paths_trace_under_compile(kernel):
+    """torch.compile (fullgraph, AOT autograd: forward and backward traced with torch's meta checks of the FP8
+    GEMMs' layouts) accepts every real-kernel path; what fails here is only running it, as torch has no CPU kernel
+    for these GEMMs. (It found the rowwise weight gradient's operand traced column-major, which _scaled_grouped_mm
+    refuses, where eager code gave a row-major one.)"""
+    from torch._dynamo.exc import TorchDynamoException
+
+    from quantization.fp8.gemms import _Fp8LinearFn
+    from quantization.fp8.kernels import SCALED_MM_BLOCKS, SCALED_MM_TILES, LinearKernels
+
+    torch._dynamo.reset()
+    if kernel == "linear":
+        real = LinearKernels(SCALED_MM_BLOCKS, SCALED_MM_BLOCKS, SCALED_MM_TILES)
+        inputs = [torch.randn(256, 384, dtype=torch.bfloat16), torch.randn(640, 384, dtype=torch.bfloat16)]
+
+        def fn(a, b):
+            return _Fp8LinearFn.apply(a, b, "blockwise", real)
+    else:
+        offs = torch.tensor([256, 256, 384], dtype=torch.int32)
+        inputs = [torch.randn(512, 256, dtype=torch.bfloat16), torch.randn(3, 384, 256, dtype=torch.bfloat16)]
+        recipe = "rowwise" if "rowwise" in kernel else "blockwise"
+
+        def fn(a, b):
+            return fp8_grouped_mm(a, b, offs, recipe, kernel)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    try:
+        compiled(*(t.requires_grad_() for t in inputs))
+    except TorchDynamoException as e:
+        pytest.fail(f"tracing failed: {str(e)[:500]}")
+    except (NotImplementedError, ValueError) as e:  # the CPU run: torch's own refusal of these GEMMs on CPU
+        assert "CPU" in str(e) or "Invalid scaling configuration" in str(e), e
+    else:
+        pytest.fail("ran on CPU: an FP8 GEMM with no CPU kernel in torch 2.13 ran")

@@ -1,14 +1,17 @@
-"""What FP8 costs and what it runs, for the memory plan and the FLOP count: the extra backward bytes of one emulated
-FP8 GEMM, and the FLOPs per token a selection runs as FP8 GEMMs."""
+"""What FP8 costs and what it runs, for the memory plan, the FLOP count and the step-time model: the extra backward
+bytes of one emulated FP8 GEMM, the FLOPs per token a selection runs as FP8 GEMMs, and the operand elements it
+quantises."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 
+from core.names import denotes
 from quantization.fp8.config import Fp8Selection
 from quantization.fp8.quantize import QDQ_WORK_BYTES
 
-__all__ = ["fp8_flops_per_token", "gemm_backward_extra_bytes"]
+__all__ = ["fp8_flops_per_token", "fp8_operand_elements", "gemm_backward_extra_bytes"]
 
 
 def gemm_backward_extra_bytes(recipe: str, rows: int, in_features: int, out_features: int, act_bytes: int,
@@ -53,3 +56,38 @@ def fp8_flops_per_token(selection: Fp8Selection, module_flops: Mapping[str, floa
     if selection.recipe == "none":
         return 0.0
     return sum(flops for fqn, flops in module_flops.items() if selection.selects(fqn))
+
+
+def fp8_operand_elements(selection: Fp8Selection, module_flops: Mapping[str, float],
+                         param_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> tuple[float, int, int]:
+    """What the selection's GEMMs quantise: (activation and output-gradient elements per token, weight elements of
+    the plain linears, weight elements of the stacked experts), for the step-time model.
+
+    Each FP8 GEMM quantises both its operands along its own K: forward x and W, dgrad dY and W^T, wgrad dY^T and
+    x^T. So a weight [N, K] (of `copies` experts) with R rows per token through it costs 2 R (K + N) activation
+    elements per token and 2 N K weight elements per pass. R comes from the module's FLOPs per token (`module_flops`,
+    6 R N K summed over its blocks), the shapes from the model's parameters (`param_shapes`: (name, shape),
+    matched to the block-relative names by `core.names.denotes`). The weights are counted once here (the caller
+    doubles them and shares them out over pipeline stages and expert-parallel ranks).
+    """
+    params = list(param_shapes)
+    activations, linears, experts = 0.0, 0, 0
+    for fqn, flops in module_flops.items():
+        if selection.recipe == "none" or not selection.selects(fqn):
+            continue
+        by_module: dict[str, list[tuple[int, ...]]] = {}
+        for name, shape in params:
+            module = name.rpartition(".")[0]
+            if len(shape) >= 2 and denotes(module, fqn):
+                by_module.setdefault(module, []).append(shape)
+        if not by_module:
+            continue
+        shapes = next(iter(by_module.values()))
+        numel = sum(math.prod(s) for s in shapes)
+        # rows per token through one copy of a weight: flops / (6 numel x blocks); the K + N elements of each row
+        activations += flops * sum(math.prod(s[:-2]) * (s[-1] + s[-2]) for s in shapes) / (3 * numel)
+        if any(len(s) > 2 for s in shapes):
+            experts += numel * len(by_module)
+        else:
+            linears += numel * len(by_module)
+    return activations, linears, experts

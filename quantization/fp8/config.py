@@ -18,6 +18,7 @@ from torch import nn
 from core.config import option
 from core.names import DEFAULT, ModuleDefaults, covered_by_any, covers, resolve
 from core.quantization import QUANTIZED_MM
+from quantization.fp8.kernels import KERNEL_MODES
 from quantization.fp8.quantize import BLOCK, ROWWISE_ALIGN
 
 __all__ = ["RECIPES", "Fp8Section", "Fp8Selection", "fp8_block_modules", "fp8_config_problem", "fp8_selection",
@@ -41,6 +42,10 @@ class Fp8Section:
     exclude_modules: list[str] = option([DEFAULT])
     """Modules left out of modules, same naming; "default" = the model's list (DeepSeek-V3: attention.wkv_a, whose
     output, kv_lora_rank + qk_rope_head_dim = 576, is not a multiple of 128); [] excludes nothing."""
+    kernels: str = option("auto", choices=list(KERNEL_MODES))
+    """Which kernels run the FP8 GEMMs: auto = real FP8 GEMMs where the device has them (CUDA sm90: scaled_mm,
+    _scaled_grouped_mm, DeepGEMM; rowwise linears torchao's), the emulation elsewhere; emulated = the emulation
+    everywhere (quantise, dequantise, multiply in the compute dtype: the reference). The log says which run."""
     dispatch: bool = True
     """With the blockwise recipe and FP8 routed experts, expert parallelism sends the experts' inputs as e4m3 with
     one scale per 1x128 tile, as DeepSeek-V3 does, where the comm backend supports it (the log says whether it
@@ -55,6 +60,7 @@ class Fp8Selection:
     recipe: str
     modules: tuple[str, ...]
     exclude_modules: tuple[str, ...]
+    kernels: str = "auto"
 
     def selects(self, fqn: str) -> bool:
         """Whether the module with block-relative name `fqn` converts (when the recipe is not none)."""
@@ -64,7 +70,7 @@ class Fp8Selection:
 def fp8_selection(fp8_cfg: Fp8Section, defaults: ModuleDefaults) -> Fp8Selection:
     """The section with its "default" entries replaced by the model's lists."""
     return Fp8Selection(fp8_cfg.recipe, tuple(resolve(fp8_cfg.modules, defaults.fp8_modules)),
-                        tuple(resolve(fp8_cfg.exclude_modules, defaults.fp8_exclude_modules)))
+                        tuple(resolve(fp8_cfg.exclude_modules, defaults.fp8_exclude_modules)), fp8_cfg.kernels)
 
 
 def _eligible(module: nn.Module) -> bool:
@@ -97,7 +103,8 @@ def fp8_config_problem(selection: Fp8Selection, blocks: Iterable[nn.Module],
     Names in `modules` and `exclude_modules` must each cover an FP8-eligible module of the `vocabulary` blocks
     (default: `blocks`; a model family passes one block of every kind it can build, so that its default names
     stay valid for a model without, say, dense layers). With a recipe on, every selected module of `blocks` must
-    have dims that are multiples of its tile (128 for blockwise, 16 for rowwise), and rowwise linears need torchao.
+    have dims that are multiples of its tile (128 for blockwise, 16 for rowwise), and rowwise linears need torchao
+    (unless `kernels` is emulated).
     """
     blocks = list(blocks)
     known = fp8_block_modules(blocks if vocabulary is None else vocabulary)
@@ -115,10 +122,11 @@ def fp8_config_problem(selection: Fp8Selection, blocks: Iterable[nn.Module],
         if any(d % align for d in _gemm_dims(module)):
             return ("fp8.modules", f"{fqn} has dims {_gemm_dims(module)}, not multiples of {align} as the "
                     f"{selection.recipe} recipe needs", f"add {fqn!r} to fp8.exclude_modules, or recipe none")
-    needs_torchao = selection.recipe == "rowwise" and any(isinstance(m, nn.Linear) for m in selected.values())
+    needs_torchao = selection.recipe == "rowwise" and selection.kernels == "auto" and \
+        any(isinstance(m, nn.Linear) for m in selected.values())
     if needs_torchao and importlib.util.find_spec("torchao") is None:
         return ("fp8.recipe", "rowwise linears run on torchao's Float8Linear, and torchao is not installed",
-                "none or blockwise, or pip install '.[fp8]'")
+                "none or blockwise, fp8.kernels = emulated, or pip install '.[fp8]'")
     return None
 
 

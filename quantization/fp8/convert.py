@@ -2,9 +2,11 @@
 
 It runs in the plan after expert parallelism and before activation checkpointing, compile and FSDP. Linears are
 replaced by an FP8 linear holding the same weight Parameter (blockwise: `gemms.Fp8Linear`; rowwise: torchao's
-`Float8Linear`, an optional dependency); grouped experts get an `Fp8GroupedMM` as their quantized grouped GEMM
-(`core.quantization`). Parameters keep their objects and names, so checkpoints hold the same high-precision master
-weights whatever the recipe (a run can switch recipes across a resume).
+`Float8Linear`, an optional dependency, where `torch._scaled_mm` runs, else `gemms.Fp8Linear`'s emulation); grouped
+experts get an `Fp8GroupedMM` as their quantized grouped GEMM (`core.quantization`). The kernels are chosen for
+this machine (`kernels.Platform.detect`: CUDA when present, as the trainer's device) and logged in one line.
+Parameters keep their objects and names, so checkpoints hold the same high-precision master weights whatever the
+recipe (a run can switch recipes across a resume).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from core.quantization import QUANTIZED_MM
 from quantization.fp8.config import Fp8Selection, selected_modules
 from quantization.fp8.gemms import Fp8GroupedMM, Fp8Linear
+from quantization.fp8.kernels import TORCHAO_LINEAR, Platform, describe, rowwise_linear_kernel
 
 __all__ = ["apply_fp8"]
 
@@ -31,31 +34,38 @@ def _torchao_rowwise_config():
     return Float8LinearConfig.from_recipe_name("rowwise")
 
 
-def _convert_linear(linear: nn.Linear, recipe: str) -> nn.Module:
-    if recipe == "blockwise":
-        return Fp8Linear.from_linear(linear)
+def _convert_linear(linear: nn.Linear, recipe: str, kernels: str = "auto", platform: Platform | None = None
+                    ) -> nn.Module:
+    platform = Platform.detect() if platform is None else platform
+    if recipe == "blockwise" or kernels != "auto" or rowwise_linear_kernel(platform) != TORCHAO_LINEAR:
+        return Fp8Linear.from_linear(linear, recipe, kernels, platform)
     from torchao.float8.float8_linear import Float8Linear  # optional dependency, see _torchao_rowwise_config
 
     return Float8Linear.from_float(linear, config=_torchao_rowwise_config())
 
 
-def apply_fp8(blocks: Mapping[str, nn.Module], selection: Fp8Selection) -> list[str]:
-    """Convert the modules `selection` selects in each block of `blocks` ({name in the model: block}) in place.
+def apply_fp8(blocks: Mapping[str, nn.Module], selection: Fp8Selection, platform: Platform | None = None
+              ) -> list[str]:
+    """Convert the modules `selection` selects in each block of `blocks` ({name in the model: block}) in place, with
+    kernels chosen for `platform` (default: this machine).
 
     Returns the converted modules' names (`<block name>.<block-relative FQN>`); [] for recipe none.
     """
     if selection.recipe == "none":
         return []
+    platform = Platform.detect() if platform is None else platform
     converted = []
     for block_name, block in blocks.items():
         for fqn, module in selected_modules(selection, [block]).items():
             if isinstance(module, nn.Linear):
                 parent_name, _, leaf = fqn.rpartition(".")
                 parent = block.get_submodule(parent_name) if parent_name else block
-                parent.register_module(leaf, _convert_linear(module, selection.recipe))
+                parent.register_module(leaf, _convert_linear(module, selection.recipe, selection.kernels, platform))
             else:
-                setattr(module, QUANTIZED_MM, Fp8GroupedMM(selection.recipe))
+                setattr(module, QUANTIZED_MM, Fp8GroupedMM(selection.recipe, selection.kernels, platform))
             converted.append(f"{block_name}.{fqn}")
     logger.info("fp8 %s: %d modules converted (%s, ...)", selection.recipe, len(converted),
                 ", ".join(converted[:4]))
+    if converted:
+        logger.info(describe(platform, selection.recipe, selection.kernels))
     return converted

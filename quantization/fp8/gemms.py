@@ -1,11 +1,13 @@
 """The FP8 GEMMs: a linear and the routed experts' grouped GEMM with every input, forward and backward, quantised
-to e4m3 by a recipe (`quantize.qdq_activation` / `qdq_weight`) and multiplied in the compute dtype.
+to e4m3 by a recipe, on the kernel `kernels.py` chooses for each GEMM.
 
 The three GEMMs of a linear y = x W^T contract over different dimensions, so each quantises its operands along
 its own K: forward x and W along in_features; dgrad dY along out_features and W^T (the same 128 x 128 blocks);
-wgrad dY^T and x^T along the tokens (128 x 1 tiles of dY and x, as in the DeepSeek-V3 report). The dequantised
-operands are multiplied with `mm` / `torch._grouped_mm`, which accumulate in fp32: the numerics of the recipe, not
-its speed (docs/fp8.md). Rowwise linears are torchao's `Float8Linear` instead (`convert.py`).
+wgrad dY^T and x^T along the tokens (128 x 1 tiles of dY and x, as in the DeepSeek-V3 report). The emulation
+(the CPU path, and the reference the CUDA tests compare the real kernels with) multiplies the dequantised operands
+with `mm` / `torch._grouped_mm`, which accumulate in fp32: the numerics of the recipe, not its speed (docs/fp8.md).
+The real kernels (`scaled_gemms.py`) multiply the same e4m3 operands. Rowwise linears are torchao's `Float8Linear`
+where it runs (`convert.py`), this module's emulation elsewhere.
 """
 
 from __future__ import annotations
@@ -13,35 +15,50 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quantization.fp8.kernels import (DEEPGEMM, EMULATED, PER_EXPERT, ROWWISE_GROUPED, LinearKernels, Platform,
+                                      blockwise_linear_kernels, grouped_kernel)
 from quantization.fp8.quantize import (BLOCK, dequantize_segments, qdq_activation, qdq_weight,
                                        quantize_segments)
+from quantization.fp8.scaled_gemms import blockwise_grouped, blockwise_mm, rowwise_grouped_mm, rowwise_grouped_wgrad
 
 __all__ = ["Fp8GroupedMM", "Fp8Linear", "fp8_grouped_mm"]
 
+_EMULATED_LINEAR = LinearKernels(EMULATED, EMULATED, EMULATED)
+
 
 class _Fp8LinearFn(torch.autograd.Function):
-    """y = x W^T with every GEMM input (forward, dgrad, wgrad) quantised to e4m3 by `recipe`.
+    """y = x W^T with every GEMM input (forward, dgrad, wgrad) quantised to e4m3 by `recipe`, each GEMM on its
+    kernel of `kernels` (default: all emulated).
 
     Saves the high-precision x and W (not their e4m3 copies) and quantises again in backward: a recompute, a
     second backward or FSDP's re-gathered W give the same e4m3 values bit for bit.
     """
 
     @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, recipe: str) -> torch.Tensor:
+    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, recipe: str,
+                kernels: LinearKernels = _EMULATED_LINEAR) -> torch.Tensor:
         ctx.save_for_backward(x_MK, w_NK)
-        ctx.recipe = recipe
+        ctx.recipe, ctx.kernels = recipe, kernels
         dtype = x_MK.dtype
+        if kernels.fwd != EMULATED:
+            return blockwise_mm(x_MK, w_NK, b_blocks=True)
         return qdq_activation(x_MK, recipe, dtype) @ qdq_weight(w_NK, recipe, dtype).t()
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
         x_MK, w_NK = ctx.saved_tensors
-        recipe, dtype = ctx.recipe, x_MK.dtype
+        recipe, dtype, kernels = ctx.recipe, x_MK.dtype, ctx.kernels
         dy_MN = dy_MN.to(dtype)
-        dx = qdq_activation(dy_MN, recipe, dtype) @ qdq_weight(w_NK.t(), recipe, dtype).t()
+        if kernels.dgrad != EMULATED:
+            dx = blockwise_mm(dy_MN, w_NK.t(), b_blocks=True)
+        else:
+            dx = qdq_activation(dy_MN, recipe, dtype) @ qdq_weight(w_NK.t(), recipe, dtype).t()
         # weight gradient: contraction over the tokens, so both operands are tiled along them
-        dw = qdq_activation(dy_MN.t(), recipe, dtype) @ qdq_activation(x_MK.t(), recipe, dtype).t()
-        return dx, dw.to(w_NK.dtype), None
+        if kernels.wgrad != EMULATED:
+            dw = blockwise_mm(dy_MN.t(), x_MK.t(), b_blocks=False)
+        else:
+            dw = qdq_activation(dy_MN.t(), recipe, dtype) @ qdq_activation(x_MK.t(), recipe, dtype).t()
+        return dx, dw.to(w_NK.dtype), None, None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -51,28 +68,44 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+#: a tensor not on the device its module's kernels were chosen for (a CPU model on a GPU machine): no FP8 kernels
+_ELSEWHERE = Platform("elsewhere")
+
+
+def _platform(platform: Platform, x: torch.Tensor) -> Platform:
+    return platform if x.device.type == platform.device else _ELSEWHERE
+
+
 class Fp8Linear(nn.Linear):
-    """nn.Linear (no bias) whose GEMMs take e4m3 inputs quantised by the blockwise recipe.
+    """nn.Linear (no bias) whose GEMMs take e4m3 inputs quantised by `recipe` (blockwise; rowwise where torchao's
+    Float8Linear does not run), on the kernels `kernels.blockwise_linear_kernels` chooses for each call's shape
+    (`kernels` = "emulated": always the emulation).
 
     Holds the same `weight` Parameter as the linear it replaces (same name, same master weight); under autocast
     it computes in autocast's dtype like nn.Linear does.
     """
 
-    recipe = "blockwise"
-
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
-        """Wrap `linear`'s weight (on whatever device it is, meta included) without copying it."""
+    def from_linear(cls, linear: nn.Linear, recipe: str = "blockwise", kernels: str = "auto",
+                    platform: Platform | None = None) -> "Fp8Linear":
+        """Wrap `linear`'s weight (on whatever device it is, meta included) without copying it; `platform`: the
+        machine the kernels are chosen for (default: this one)."""
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False)
         new.weight = linear.weight
+        new.recipe, new.kernels = recipe, kernels
+        new.platform = Platform.detect() if platform is None else platform
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(x)
         x_MK = x.reshape(-1, x.shape[-1]).to(dtype)
+        kernels = _EMULATED_LINEAR
+        if self.recipe == "blockwise" and self.kernels != EMULATED:
+            kernels = blockwise_linear_kernels(_platform(self.platform, x), dtype, x_MK.shape[0], self.in_features,
+                                               self.out_features)
         with torch.autocast(x.device.type, enabled=False):
-            y = _Fp8LinearFn.apply(x_MK, self.weight.to(dtype), self.recipe)
+            y = _Fp8LinearFn.apply(x_MK, self.weight.to(dtype), self.recipe, kernels)
         return y.view(*x.shape[:-1], -1)
 
 
@@ -83,7 +116,8 @@ def _segments(num_rows: int, offsets_E: torch.Tensor) -> torch.Tensor:
 
 
 class _Fp8GroupedMMFn(torch.autograd.Function):
-    """`torch._grouped_mm(x, w.transpose(-2, -1), offs)` with e4m3 inputs quantised by `recipe`.
+    """`torch._grouped_mm(x, w.transpose(-2, -1), offs)` with e4m3 inputs quantised by `recipe`, on `kernel`
+    (emulated, `_scaled_grouped_mm` rowwise, or blockwise scaled_mm per expert) for all three GEMMs.
 
     x_PK holds the rows of expert e in [offs[e-1], offs[e]), each group starting on a multiple of 128 rows, so
     the weight gradient's token tiles never straddle two experts, and P is a multiple of 128 (the rowwise weight
@@ -94,33 +128,46 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str) -> torch.Tensor:
+    def forward(ctx, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str,
+                kernel: str = EMULATED) -> torch.Tensor:
         ctx.save_for_backward(x_PK, w_ENK, offs_E)
-        ctx.recipe = recipe
+        ctx.recipe, ctx.kernel = recipe, kernel
         dtype = x_PK.dtype
-        y = torch._grouped_mm(qdq_activation(x_PK, recipe, dtype), qdq_weight(w_ENK, recipe, dtype).transpose(-2, -1),
-                              offs=offs_E)
+        if kernel == ROWWISE_GROUPED:
+            y = rowwise_grouped_mm(x_PK, w_ENK, offs_E)
+        elif kernel == PER_EXPERT:
+            y = blockwise_grouped(x_PK, w_ENK, offs_E, "fwd")
+        else:
+            y = torch._grouped_mm(qdq_activation(x_PK, recipe, dtype),
+                                  qdq_weight(w_ENK, recipe, dtype).transpose(-2, -1), offs=offs_E)
         return _zero_tail(y, offs_E)
 
     @staticmethod
     def backward(ctx, dy_PN: torch.Tensor):
         x_PK, w_ENK, offs_E = ctx.saved_tensors
-        recipe, dtype = ctx.recipe, x_PK.dtype
+        recipe, dtype, kernel = ctx.recipe, x_PK.dtype, ctx.kernel
         dy_PN = _zero_tail(dy_PN.to(dtype), offs_E)
-        # dgrad contracts over N: W^T [E, K, N] is quantised along N (the same blocks as W for blockwise)
-        w_EKN = qdq_weight(w_ENK.transpose(-2, -1), recipe, dtype)
-        dx = torch._grouped_mm(qdq_activation(dy_PN, recipe, dtype), w_EKN.transpose(-2, -1), offs=offs_E)
-        dy_NP, x_KP = dy_PN.t(), x_PK.t()
-        if recipe == "blockwise":
-            a, b = qdq_activation(dy_NP, recipe, dtype), qdq_activation(x_KP, recipe, dtype)
+        if kernel == ROWWISE_GROUPED:
+            dx = rowwise_grouped_mm(dy_PN, w_ENK.transpose(-2, -1), offs_E)
+            dw = rowwise_grouped_wgrad(dy_PN, x_PK, offs_E, _segments(x_PK.shape[0], offs_E))
+        elif kernel == PER_EXPERT:
+            dx = blockwise_grouped(dy_PN, w_ENK, offs_E, "dgrad")
+            dw = blockwise_grouped(dy_PN, x_PK, offs_E, "wgrad")
         else:
-            # one scale per channel and expert: the contraction runs over each expert's rows only
-            seg_P, E = _segments(x_PK.shape[0], offs_E), offs_E.shape[0]
-            a, b = (dequantize_segments(*quantize_segments(t, seg_P, E + 1), seg_P, dtype) for t in (dy_NP, x_KP))
-        dw = torch._grouped_mm(a, b.t(), offs=offs_E)
+            # dgrad contracts over N: W^T [E, K, N] is quantised along N (the same blocks as W for blockwise)
+            w_EKN = qdq_weight(w_ENK.transpose(-2, -1), recipe, dtype)
+            dx = torch._grouped_mm(qdq_activation(dy_PN, recipe, dtype), w_EKN.transpose(-2, -1), offs=offs_E)
+            dy_NP, x_KP = dy_PN.t(), x_PK.t()
+            if recipe == "blockwise":
+                a, b = qdq_activation(dy_NP, recipe, dtype), qdq_activation(x_KP, recipe, dtype)
+            else:
+                # one scale per channel and expert: the contraction runs over each expert's rows only
+                seg_P, E = _segments(x_PK.shape[0], offs_E), offs_E.shape[0]
+                a, b = (dequantize_segments(*quantize_segments(t, seg_P, E + 1), seg_P, dtype) for t in (dy_NP, x_KP))
+            dw = torch._grouped_mm(a, b.t(), offs=offs_E)
         counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
         dw = torch.where((counts_E > 0)[:, None, None], dw, 0)
-        return _zero_tail(dx, offs_E), dw.to(w_ENK.dtype), None, None
+        return _zero_tail(dx, offs_E), dw.to(w_ENK.dtype), None, None, None
 
 
 def _zero_tail(t_PX: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -128,18 +175,35 @@ def _zero_tail(t_PX: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     return torch.where(valid_P1, t_PX, 0)
 
 
-def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str) -> torch.Tensor:
-    """Rows of expert e times w[e]^T, in e4m3 by `recipe`, computed in x's dtype (autocast off inside).
+def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str,
+                   kernel: str = EMULATED) -> torch.Tensor:
+    """Rows of expert e times w[e]^T, in e4m3 by `recipe`, computed in x's dtype (autocast off inside), on `kernel`
+    (`kernels.grouped_kernel`).
 
     Groups must start on multiples of 128 rows, and the row count be one (pad with zero rows); see
     `_Fp8GroupedMMFn`.
     """
     with torch.autocast(x_PK.device.type, enabled=False):
-        return _Fp8GroupedMMFn.apply(x_PK, w_ENK.to(x_PK.dtype), offs_E, recipe)
+        w_ENK = w_ENK.to(x_PK.dtype)
+        if kernel == DEEPGEMM:
+            return _zero_tail(_deepgemm_grouped_mm(x_PK, w_ENK, offs_E), offs_E)
+        return _Fp8GroupedMMFn.apply(x_PK, w_ENK, offs_E, recipe, kernel)
+
+
+def _deepgemm_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """torchao's blockwise FP8 MoE GEMM, which runs DeepGEMM's grouped kernels (forward, dgrad, and wgrad over
+    each group's rows) with its own autograd and quantisation (scales amax / 448, not powers of two)."""
+    from torchao.prototype.moe_training.blockwise_fp8.grouped_mm import \
+        _to_fp8_blockwise_then_scaled_grouped_mm  # optional: CUDA with triton and deep_gemm (kernels.Platform)
+
+    return _to_fp8_blockwise_then_scaled_grouped_mm(x_PK, w_ENK.transpose(-2, -1), offs_E, out_dtype=x_PK.dtype,
+                                                    pad_token_groups_for_grouped_mm=False)
 
 
 class Fp8GroupedMM:
-    """`fp8_grouped_mm` with a fixed recipe, as the routed experts call it (`core.quantization.QuantizedGroupedMM`).
+    """`fp8_grouped_mm` with a fixed recipe, as the routed experts call it (`core.quantization.QuantizedGroupedMM`),
+    on the kernel `kernels.grouped_kernel` chooses for `platform` (default: this machine) and each call's dtype and
+    weight shape; `kernels` = "emulated": always the emulation.
 
     Groups start on multiples of 128 rows, and the row count is one: the token tiles of the weight gradients'
     quantisation must not straddle two experts.
@@ -147,8 +211,13 @@ class Fp8GroupedMM:
 
     row_align = BLOCK
 
-    def __init__(self, recipe: str):
-        self.recipe = recipe
+    def __init__(self, recipe: str, kernels: str = "auto", platform: Platform | None = None):
+        self.recipe, self.kernels = recipe, kernels
+        self.platform = Platform.detect() if platform is None else platform
 
     def __call__(self, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        return fp8_grouped_mm(x_PK, w_ENK, offs_E, self.recipe)
+        kernel = EMULATED
+        if self.kernels != EMULATED:
+            kernel = grouped_kernel(_platform(self.platform, x_PK), self.recipe, x_PK.dtype, w_ENK.shape[2],
+                                    w_ENK.shape[1])
+        return fp8_grouped_mm(x_PK, w_ENK, offs_E, self.recipe, kernel)

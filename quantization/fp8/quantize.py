@@ -15,7 +15,7 @@ import torch
 from core.quantization import FP8_TILE
 
 __all__ = ["BLOCK", "E4M3", "E4M3_MAX", "QDQ_WORK_BYTES", "ROWWISE_ALIGN", "dequantize", "dequantize_segments",
-           "qdq_activation", "qdq_weight", "quantize", "quantize_segments"]
+           "qdq_activation", "qdq_weight", "quantize", "quantize_segments", "quantize_tiles", "row_major"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -61,6 +61,27 @@ def quantize(t: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Ten
     scale = _pow2_scale(_tile_amax(tiles))
     q = tiles.div_(scale[:, None, :, None]).to(E4M3)
     return q.view(-1, q.shape[2] * tile_cols)[:R, :C], scale
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """t itself when contiguous, else a contiguous copy (`clone`: unlike `contiguous`, also under a fake CUDA
+    tensor mode, in which the CPU tests check the real kernels' layouts)."""
+    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+
+
+def quantize_tiles(t: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` for the real FP8 kernels: [R, C] with dims that are multiples of the tile, in t's dtype (no
+    padding, no fp32 copy of t). The same e4m3 values and scales as `quantize`, bit for bit: the tile maximum is
+    one of t's values, and dividing by a power of two in fp32 is exact.
+
+    Returns (q [R, C] contiguous e4m3, scale [R / tile_rows, C / tile_cols] contiguous fp32). Eager, it passes
+    over t three times (maximum, fp32 quotient, cast); torch.compile fuses them.
+    """
+    R, C = t.shape
+    tiles = row_major(t).view(R // tile_rows, tile_rows, C // tile_cols, tile_cols)
+    scale = _pow2_scale(_tile_amax(tiles, keepdim=True))
+    q = torch.div(tiles, scale).to(E4M3)
+    return q.view(R, C), scale.view(R // tile_rows, C // tile_cols)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, tile_rows: int, tile_cols: int,

@@ -6,6 +6,8 @@ time is enough: `python -m trainer.plan --calibrate-step-s S` fits `efficiency` 
 predicts S). docs/memory.md, "Layout planner", writes the model down:
 
     compute  = (3 x forward FLOPs + recompute FLOPs) x microbatches / (peak x efficiency), FP8 GEMMs at fp8 peak
+    fp8      = the quantisation of every FP8 GEMM operand (forward x and W, dgrad dY and W^T, wgrad dY^T and x^T),
+               memory-bound: elements x fp8_quantize_bytes / (HBM bandwidth x elementwise_efficiency), per microbatch
     bubble   = compute x the schedule's bubble fraction (GPipe/1F1B (p-1)/m, Interleaved1F1B (p-1)/(v m),
                ZBVZeroBubble (p-1)/(6 m), DualPipeV (p-2)/(3 m))
     fsdp     = all-gathers (forward, and backward again when resharding) + fp32 reduce-scatters of every unit, per
@@ -18,19 +20,27 @@ predicts S). docs/memory.md, "Layout planner", writes the model down:
     hsdp     = all-reduce of the sharded fp32 gradients over the replicas, once per step
     optimizer= AdamW's memory traffic per local parameter over HBM: 28 bytes, 20 with bf16 moments
 
-    step = max(compute + bubble, fsdp) + first all-gather + ep + cp + pp + hsdp + optimizer
+    step = max(compute + fp8 + bubble, fsdp) + first all-gather + ep + cp + pp + hsdp + optimizer
 
 FSDP overlaps with compute through prefetching; the MoE all-to-alls sit on the critical path of the MoE layer.
+FP8 pays where its GEMMs save more than quantising their operands costs: the saving grows with a GEMM's three dims,
+the quantisation with its operands' sizes, so small GEMMs (DeepSeek-V2-Lite's 1408-wide experts at 768 rows each)
+lose and large ones (DeepSeek-V3's) gain (docs/performance.md, "What FP8 costs at each shape").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
-from parallelisms.moe_comm.registry import get_comm_backend
+import torch
 
-__all__ = ["Hardware", "bubble_fraction", "step_time"]
+from parallelisms.moe_comm.registry import get_comm_backend
+from quantization.fp8.accounting import fp8_flops_per_token, fp8_operand_elements
+from quantization.fp8.config import fp8_selection
+
+__all__ = ["Fp8Operands", "Hardware", "bubble_fraction", "fp8_operands", "step_time"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,12 @@ class Hardware:
     """Fraction of the link bandwidth the MoE token exchange reaches; 0 = the comm backend's own figure
     (`TokenDispatcher.exchange_efficiency`: 0.5 for all_to_all_single with uneven splits, more for kernels built
     for it)."""
+    fp8_quantize_bytes: float = 5.0
+    """Bytes of memory traffic per quantised FP8 operand element: a pass for the tile maxima and a pass that
+    scales and writes e4m3, each reading the bf16 value (2 + 2 + 1; torch.compile fuses each pass)."""
+    elementwise_efficiency: float = 0.5
+    """Fraction of the HBM bandwidth memory-bound elementwise kernels reach (a guess: the emulation's casts and
+    elementwise kernels on the 2026-11-26 H200 profile moved about 40% of its peak by our byte count)."""
 
     def with_values(self, **values) -> "Hardware":
         """A copy with some inputs replaced."""
@@ -87,16 +103,67 @@ def _bandwidth(hw: Hardware, group: int, stride: int) -> float:
     return (hw.nvlink_gbps if group * stride <= hw.gpus_per_node else hw.network_gbps) * 1e9
 
 
+@dataclass(frozen=True)
+class Fp8Operands:
+    """What an FP8 recipe quantises on one rank (`fp8_operands`)."""
+
+    elements_per_flop: float
+    """Activation and output-gradient elements quantised per FP8 training FLOP."""
+    weight_elements: float
+    """Weight elements quantised per microbatch pass (each weight twice: W for forward, W^T for dgrad)."""
+
+
+_SHAPES: dict[tuple, tuple[tuple[str, tuple[int, ...]], ...]] = {}
+
+
+def _param_shapes(model_cls, args) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of every parameter of `model_cls(args)`, from a meta-device build (once per args)."""
+    key = (model_cls, repr(args))
+    if key not in _SHAPES:
+        with torch.device("meta"):
+            model = model_cls(args)
+        _SHAPES[key] = tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+    return _SHAPES[key]
+
+
+def fp8_operands(spec, args, cfg, dims, work: dict) -> Fp8Operands | None:
+    """The FP8 operands of one rank's microbatch (`work`: its memory plan's) for the `[fp8]` section of `cfg`; None
+    with recipe none or a model without a per-module FLOPs table. The rank quantises the weights it holds gathered:
+    the model's FP8 weights times the share of the model's parameters its stages hold (experts split over EP)."""
+    if cfg.fp8.recipe == "none" or spec.tools.module_flops is None:
+        return None
+    selection = fp8_selection(cfg.fp8, spec.plan.module_defaults)
+    table = spec.tools.module_flops(args)
+    fp8_flops = fp8_flops_per_token(selection, table)
+    if not fp8_flops:
+        return None
+    shapes = _param_shapes(spec.model_cls, args)
+    activations, linears, experts = fp8_operand_elements(selection, table, shapes)
+    stacked = sum(math.prod(s) for _, s in shapes if len(s) > 2)
+    model = sum(math.prod(s) for _, s in shapes) - stacked * (1 - 1 / dims.ep)
+    held = sum(work["fsdp_unit_bytes"]) / work["unit_element_bytes"] if work["fsdp_unit_bytes"] else \
+        work["param_count"]
+    return Fp8Operands(activations / fp8_flops, 2 * min(1.0, held / model) * (linears + experts / dims.ep))
+
+
 def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work: dict, fp8_fraction: float,
-              backend: str, hw: Hardware) -> dict:
+              backend: str, hw: Hardware, fp8: Fp8Operands | None = None) -> dict:
     """Seconds of one optimizer step on one rank, by part, for the memory plan's `work` of that rank
     (`trainer.tools.memory_plan.plan_rank`); `accumulation`: forward-backward passes per step without a pipeline
-    (global batch over local batch times the data-parallel degree)."""
+    (global batch over local batch times the data-parallel degree); `fp8`: what the FP8 recipe quantises (its
+    FLOPs are `fp8_fraction` of the rank's). Besides the parts of the step: fp8_saved_s, the GEMM time FP8 saves
+    over running its FLOPs in bf16, and fp8_quantize_weights_s, the weights' part of fp8_quantize_s."""
     passes = work["microbatches"] * accumulation
     peak = hw.peak_tflops * 1e12 * hw.efficiency
     flops = 3 * work["forward_flops"] + work["recompute_flops"]
     compute = passes * flops * ((1 - fp8_fraction) + fp8_fraction / hw.fp8_speedup) / peak
-    bubble = compute * bubble_fraction(schedule, dims.pp, work["microbatches"], work["stages_per_rank"])
+    saved = passes * flops * fp8_fraction * (1 - 1 / hw.fp8_speedup) / peak
+    quantize = weights = 0.0
+    if fp8 is not None:
+        per_element = hw.fp8_quantize_bytes / (hw.hbm_gbps * 1e9 * hw.elementwise_efficiency)
+        weights = passes * fp8.weight_elements * per_element
+        quantize = passes * fp8.elements_per_flop * fp8_fraction * flops * per_element + weights
+    bubble = (compute + quantize) * bubble_fraction(schedule, dims.pp, work["microbatches"], work["stages_per_rank"])
 
     s = dims.fsdp_shard
     fsdp = first_gather = 0.0
@@ -134,6 +201,7 @@ def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work
         hsdp = 2 * (r - 1) / r * work["grad_bytes"] / bw
 
     optimizer = work["optimizer_bytes_per_param"] * work["param_count"] / (hw.hbm_gbps * 1e9)
-    total = max(compute + bubble, fsdp) + first_gather + ep + cp + pp + hsdp + optimizer
-    return {"step_s": total, "compute_s": compute, "bubble_s": bubble, "fsdp_s": fsdp, "ep_s": ep, "cp_s": cp,
-            "pp_s": pp, "hsdp_s": hsdp, "optimizer_s": optimizer}
+    total = max(compute + quantize + bubble, fsdp) + first_gather + ep + cp + pp + hsdp + optimizer
+    return {"step_s": total, "compute_s": compute, "fp8_quantize_s": quantize, "bubble_s": bubble, "fsdp_s": fsdp,
+            "ep_s": ep, "cp_s": cp, "pp_s": pp, "hsdp_s": hsdp, "optimizer_s": optimizer, "fp8_saved_s": saved,
+            "fp8_quantize_weights_s": weights}

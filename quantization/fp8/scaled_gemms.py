@@ -1,0 +1,122 @@
+"""The real FP8 GEMMs on CUDA (`kernels.py` says when each runs): e4m3 operands from `quantize.quantize_tiles` /
+`quantize_segments` (the emulation's values and power-of-two scales, bit for bit), laid out as torch's kernels
+require them.
+
+torch.nn.functional.scaled_mm, blockwise (the layouts of torch's checks, `_meta_registrations.py`):
+    a [M, K] row-major e4m3, 1 x 128 tiles along K: scale [M, K/128] fp32, column-major (strides (1, M))
+    b as mat2 [K, N] column-major (b stored [N, K], K last):
+        128 x 128 blocks: scale [L4, N/128], strides (1, L4), L4 = K/128 rounded up to a multiple of 4 (padding 1s)
+        1 x 128 tiles along K: scale [N, K/128], column-major (strides (1, N))
+torch._scaled_grouped_mm, rowwise: a [P, K] row-major with one scale per row ([P]); b as [E, K, N] column-major in
+    its last two dims with one scale per expert and output column ([E, N]); the weight gradient's 2D x 2D form
+    (groups along the contraction) takes one scale per row and group, group-major ([E * rows]).
+
+A linear's three GEMMs are all `blockwise_mm`: forward (x, W, blocks), dgrad (dY, W^T, blocks), wgrad (dY^T, x^T,
+1 x 128 tiles along the tokens). Blockwise grouped experts without DeepGEMM run one scaled_mm per expert
+(`dsv3_fp8::blockwise_grouped_mm`, a custom op: it reads the group offsets on the host, which torch.compile must
+not trace).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quantization.fp8.quantize import BLOCK, quantize_segments, quantize_tiles, row_major
+
+__all__ = ["blockwise_grouped", "blockwise_mm", "per_expert_blockwise", "rowwise_grouped_mm",
+           "rowwise_grouped_wgrad"]
+
+
+def _col_major(scale: torch.Tensor) -> torch.Tensor:
+    """The same [R, C] values with strides (1, R)."""
+    return row_major(scale.t()).t()
+
+
+def _scaled_blockwise(a_q, a_s, b_q, b_s, b_blocks: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """a_q [M, K] @ b_q [N, K]^T from e4m3 operands and their scales (a: 1 x 128 tiles [M, K/128]; b: 128 x 128
+    blocks [N/128, K/128] or 1 x 128 tiles [N, K/128]), both quantised along K."""
+    ScalingType = F.ScalingType
+    if b_blocks:
+        k_blocks = b_s.shape[1]
+        b_scale = F.pad(b_s, (0, -k_blocks % 4), value=1.0).t()  # [L4, N/128], strides (1, L4)
+        b_recipe = ScalingType.BlockWise128x128
+    else:
+        b_scale, b_recipe = _col_major(b_s), ScalingType.BlockWise1x128
+    return F.scaled_mm(a_q, b_q.t(), _col_major(a_s), ScalingType.BlockWise1x128, b_scale, b_recipe,
+                       output_dtype=out_dtype)
+
+
+def blockwise_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, b_blocks: bool) -> torch.Tensor:
+    """a @ b^T in e4m3 (bf16 output): a in 1 x 128 tiles along K, b in 128 x 128 blocks (`b_blocks`) or in 1 x 128
+    tiles along K. All dims multiples of 128."""
+    a_q, a_s = quantize_tiles(a_MK, 1, BLOCK)
+    b_q, b_s = quantize_tiles(b_NK, BLOCK, BLOCK) if b_blocks else quantize_tiles(b_NK, 1, BLOCK)
+    return _scaled_blockwise(a_q, a_s, b_q, b_s, b_blocks, a_MK.dtype)
+
+
+def rowwise_grouped_mm(a_PK: torch.Tensor, b_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Rows of group e times b[e]^T with one scale per row of a and per row of each b[e], both along K."""
+    P, K = a_PK.shape
+    E, N, _ = b_ENK.shape
+    a_q, a_s = quantize_tiles(a_PK, 1, K)
+    b_q, b_s = quantize_tiles(b_ENK.reshape(E * N, K), 1, K)
+    return torch._scaled_grouped_mm(a_q, b_q.view(E, N, K).transpose(-2, -1), a_s.view(P), b_s.view(E, N),
+                                    offs=offs_E, out_dtype=a_PK.dtype)
+
+
+def rowwise_grouped_wgrad(dy_PN: torch.Tensor, x_PK: torch.Tensor, offs_E: torch.Tensor,
+                          segment_P: torch.Tensor) -> torch.Tensor:
+    """dW [E, N, K]: dY^T x over each group's rows, one scale per channel and group (`segment_P`: each row's group,
+    E for rows past the last group)."""
+    E = offs_E.shape[0]
+    # transposed copies first: the quantised operands then come out row-major under torch.compile too (its
+    # division takes its layout from its input, not from the `out=` of eager code)
+    a_q, a_s = quantize_segments(row_major(dy_PN.t()), segment_P, E + 1)  # [N, P], scales [N, E + 1]
+    b_q, b_s = quantize_segments(row_major(x_PK.t()), segment_P, E + 1)  # [K, P]
+    group_major = [row_major(s.narrow(1, 0, E).t()).view(-1) for s in (a_s, b_s)]
+    return torch._scaled_grouped_mm(a_q, b_q.t(), *group_major, offs=offs_E, out_dtype=dy_PN.dtype)
+
+
+def per_expert_blockwise(a: torch.Tensor, b: torch.Tensor, ends: list[int], gemm: str) -> torch.Tensor:
+    """One blockwise scaled_mm per non-empty group, for the group ends `ends` (host ints, multiples of 128):
+
+        fwd    a = x [P, K],  b = W [E, N, K]  -> [P, N]    (x 1 x 128, W 128 x 128)
+        dgrad  a = dY [P, N], b = W [E, N, K]  -> [P, K]    (dY 1 x 128, W^T 128 x 128)
+        wgrad  a = dY [P, N], b = x [P, K]     -> [E, N, K] (dY^T and x^T 1 x 128 along each group's rows)
+
+    Rows past the last group and the weight gradients of empty groups are zero. (Slices by `narrow`, outputs by
+    `cat` / `stack`: the fake CUDA tensors of the CPU layout tests support these.)"""
+    groups = [(s, t - s) for s, t in zip([0] + ends[:-1], ends)]
+    if gemm == "wgrad":
+        used = ends[-1]
+        a_q, a_s = quantize_tiles(a.narrow(0, 0, used).t(), 1, BLOCK)  # [N, rows], tiles along the rows
+        b_q, b_s = quantize_tiles(b.narrow(0, 0, used).t(), 1, BLOCK)
+        zero = a.new_zeros(a.shape[1], b.shape[1])
+        return torch.stack([
+            _scaled_blockwise(row_major(a_q.narrow(1, s, n)), a_s.narrow(1, s // BLOCK, n // BLOCK),
+                              row_major(b_q.narrow(1, s, n)), b_s.narrow(1, s // BLOCK, n // BLOCK), False, a.dtype)
+            if n else zero for s, n in groups])
+    E = b.shape[0]
+    w = b if gemm == "fwd" else b.transpose(-2, -1)  # the second operand with its K last
+    rows, cols = w.shape[1:]
+    a_q, a_s = quantize_tiles(a, 1, BLOCK)
+    w_q, w_s = quantize_tiles(w.reshape(E * rows, cols), BLOCK, BLOCK)
+    w_q, w_s = w_q.view(E, rows, cols), w_s.view(E, rows // BLOCK, cols // BLOCK)
+    pieces = [_scaled_blockwise(a_q.narrow(0, s, n), a_s.narrow(0, s, n), w_q.select(0, e), w_s.select(0, e), True,
+                                a.dtype) for e, (s, n) in enumerate(groups) if n]
+    pieces.append(a.new_zeros(a.shape[0] - ends[-1], rows))
+    return torch.cat(pieces)
+
+
+@torch.library.custom_op("dsv3_fp8::blockwise_grouped_mm", mutates_args=())
+def blockwise_grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, gemm: str) -> torch.Tensor:
+    """`per_expert_blockwise` with the group ends read from `offs_E` (a host sync)."""
+    return per_expert_blockwise(a, b, offs_E.tolist(), gemm)
+
+
+@blockwise_grouped.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, gemm: str) -> torch.Tensor:
+    if gemm == "wgrad":
+        return a.new_empty(offs_E.shape[0], a.shape[1], b.shape[1])
+    return a.new_empty(a.shape[0], b.shape[1] if gemm == "fwd" else b.shape[2])
