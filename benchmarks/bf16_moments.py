@@ -1,9 +1,11 @@
 """BF16 AdamW moments against float32 moments: the same job, seed and data with optimizer.state_dtype float32 and
-bfloat16, one after the other in this process.
+bfloat16, one after the other in this process; and, as the noise floor of the comparison, float32 again with
+torch's foreach AdamW instead of its fused kernel (the same math, rounded differently in the last bit).
 
-    python benchmarks/bf16_moments.py                        # debug model as configured, 200 steps each way
-    python benchmarks/bf16_moments.py --steps 3              # a smoke run
-    python benchmarks/bf16_moments.py -- --training.seq_len 64   # extra trainer flags go to both runs
+    python benchmarks/bf16_moments.py                        # debug model as configured, 200 steps, three runs
+    python benchmarks/bf16_moments.py --steps 3 --no-noise-floor  # a smoke run
+    python benchmarks/bf16_moments.py -- --training.seq_len 64   # extra trainer flags go to every run
+    python benchmarks/bf16_moments.py --device cuda          # on a GPU (the fused bf16 step is then compiled)
 
 Every run: train_configs/debug_model.toml (its batch and sequence length unless overridden after `--`),
 deterministic kernels, memory tracking off, validation once after the last step, no tensorboard, dump folder in a
@@ -12,14 +14,18 @@ temporary directory.
 Output: one JSON object on stdout:
   machine    CPU, cores, torch threads and version, load average before
   config     steps, extra args
-  runs       {state_dtype: {"loss": [per-step training loss], "final_loss": mean of the last 10 steps,
+  runs       {float32, bfloat16, float32_foreach: {"loss": [per-step training loss], "final_loss": mean of the
+              last 10 steps,
               "final_val_loss": validation loss after the last step, "params": parameter count,
               "optimizer_state_bytes": bytes of the optimizer's state tensors after the run (moments and step
               counters, summed over the tensors themselves), "step_s_median": median wall time of a step (the first
-              excluded), "seconds": wall time of the run}}
-  loss_rel_diff          per-step |bf16 / fp32 - 1|: max, the step of the max, mean, and the mean over the last 10
-  final_loss_rel_diff    final_loss of bfloat16 / float32 - 1 (the issue's bound: within 0.5%)
-  final_val_loss_rel_diff  the same for the validation loss
+              excluded), "optimizer_step_s_median": median wall time of the optimizer step alone (after the run,
+              random gradients, 10 steps after 2), "seconds": wall time of the run}}
+  bfloat16     against float32: "loss_rel_diff", per-step |loss / float32's - 1| (max, the step of the max, mean,
+               mean of the last 10 steps); "final_loss_rel_diff" and "final_val_loss_rel_diff", final_loss and
+               final_val_loss / float32's - 1 (the issue's bound: within 0.5%)
+  noise_floor  the same for float32_foreach against float32: how far a last-bit difference of the optimizer moves
+               the curve in this job (training is chaotic: routing decisions flip, and the runs part ways)
   optimizer_state_saved_bytes  float32 minus bfloat16 state bytes, and per parameter
 """
 
@@ -44,8 +50,42 @@ from benchmarks.common import machine_info  # noqa: E402  (needs the repo root o
 FINAL_WINDOW = 10
 
 
-def run_state_dtype(state_dtype: str, steps: int, extra: list[str], folder: str) -> dict:
-    """Train with `state_dtype` moments; returns the losses, final losses, state bytes and step times."""
+def _timer(device) -> contextlib.AbstractContextManager:
+    """Wall time of the block, appended to the list it yields; the device is synchronised on both sides."""
+    import torch
+
+    @contextlib.contextmanager
+    def timed(times: list[float]):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+
+    return timed
+
+
+def optimizer_step_seconds(trainer, timed, repeats: int = 10) -> float:
+    """Median time of the optimizer steps alone over the trained model, with random gradients (2 warm-up steps,
+    which on CUDA compile the fused bf16 step)."""
+    import torch
+
+    params = [p for part in trainer.model_parts for p in part.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    times: list[float] = []
+    for i in range(repeats + 2):
+        with timed(times if i >= 2 else []):
+            for opt in trainer.optimizers:
+                opt.step()
+    return statistics.median(times)
+
+
+def run_state_dtype(state_dtype: str, steps: int, extra: list[str], folder: str, device: str) -> dict:
+    """Train with `state_dtype` moments (and the `extra` flags); returns the losses, final losses, state bytes and
+    step times."""
     import torch
 
     from trainer.job_config import load_config
@@ -55,29 +95,36 @@ def run_state_dtype(state_dtype: str, steps: int, extra: list[str], folder: str)
             "--optimizer.state_dtype", state_dtype, "--training.steps", str(steps),
             "--training.deterministic", "true", "--memory.track", "off", "--validation.enable", "true",
             "--validation.freq", str(steps), "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "50",
-            "--job.dump_folder", str(Path(folder) / state_dtype), *extra]
+            "--job.dump_folder", folder, *extra]
     start = time.perf_counter()
-    trainer = Trainer(prepare(load_config(args), world_size=1, rank=0), torch.device("cpu"))
+    trainer = Trainer(prepare(load_config(args), world_size=1, rank=0), torch.device(device))
+    timed = _timer(trainer.device)
     times: list[float] = []
-
-    @contextlib.contextmanager
-    def timed(step):
-        t0 = time.perf_counter()
-        yield
-        times.append(time.perf_counter() - t0)
-
     history: list[dict] = []
     try:
-        losses = trainer.train(history, around_step=timed)
+        losses = trainer.train(history, around_step=lambda step: timed(times))
     finally:
         trainer.close()
+    optimizer_s = optimizer_step_seconds(trainer, timed)
     state = [t for opt in trainer.optimizers for per_param in opt.state.values() for t in per_param.values()]
     window = losses[-min(FINAL_WINDOW, len(losses)):]
     return {"loss": losses, "final_loss": sum(window) / len(window),
             "final_val_loss": history[-1]["validation/loss"],
             "params": sum(p.numel() for part in trainer.model_parts for p in part.parameters()),
             "optimizer_state_bytes": sum(t.untyped_storage().nbytes() for t in state),
-            "step_s_median": statistics.median(times[1:] or times), "seconds": time.perf_counter() - start}
+            "step_s_median": statistics.median(times[1:] or times), "optimizer_step_s_median": optimizer_s,
+            "seconds": time.perf_counter() - start}
+
+
+def compare(run: dict, base: dict) -> dict:
+    """How far `run`'s curve lies from `base`'s: per step, and in its final training and validation losses."""
+    rel = [abs(b / a - 1) for a, b in zip(base["loss"], run["loss"])]
+    worst = max(range(len(rel)), key=rel.__getitem__)
+    tail = rel[-min(FINAL_WINDOW, len(rel)):]
+    return {"loss_rel_diff": {"max": rel[worst], "max_at_step": worst + 1, "mean": sum(rel) / len(rel),
+                              "mean_last_10": sum(tail) / len(tail)},
+            "final_loss_rel_diff": run["final_loss"] / base["final_loss"] - 1,
+            "final_val_loss_rel_diff": run["final_val_loss"] / base["final_val_loss"] - 1}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -86,19 +133,22 @@ def main(argv: list[str] | None = None) -> dict:
     own = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--no-noise-floor", action="store_true", help="skip the float32 foreach run")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     opts = parser.parse_args(own)
-    report = {"machine": machine_info(), "config": {"steps": opts.steps, "args": extra}, "runs": {}}
+    report = {"machine": machine_info(), "config": {"steps": opts.steps, "device": opts.device, "args": extra},
+              "runs": {}}
+    runs = {"float32": ("float32", []), "bfloat16": ("bfloat16", [])}
+    if not opts.no_noise_floor:
+        runs["float32_foreach"] = ("float32", ["--optimizer.implementation", "foreach"])
     with tempfile.TemporaryDirectory() as folder:
-        for state_dtype in ("float32", "bfloat16"):
-            report["runs"][state_dtype] = run_state_dtype(state_dtype, opts.steps, extra, folder)
+        for name, (state_dtype, own_flags) in runs.items():
+            report["runs"][name] = run_state_dtype(state_dtype, opts.steps, extra + own_flags,
+                                                   str(Path(folder) / name), opts.device)
     fp32, bf16 = report["runs"]["float32"], report["runs"]["bfloat16"]
-    rel = [abs(b / a - 1) for a, b in zip(fp32["loss"], bf16["loss"])]
-    worst = max(range(len(rel)), key=rel.__getitem__)
-    tail = rel[-min(FINAL_WINDOW, len(rel)):]
-    report["loss_rel_diff"] = {"max": rel[worst], "max_at_step": worst + 1, "mean": sum(rel) / len(rel),
-                               "mean_last_10": sum(tail) / len(tail)}
-    report["final_loss_rel_diff"] = bf16["final_loss"] / fp32["final_loss"] - 1
-    report["final_val_loss_rel_diff"] = bf16["final_val_loss"] / fp32["final_val_loss"] - 1
+    report["bfloat16"] = compare(bf16, fp32)
+    if "float32_foreach" in report["runs"]:
+        report["noise_floor"] = compare(report["runs"]["float32_foreach"], fp32)
     saved = fp32["optimizer_state_bytes"] - bf16["optimizer_state_bytes"]
     report["optimizer_state_saved_bytes"] = {"bytes": saved, "per_param": saved / fp32["params"]}
     print(json.dumps(report))
