@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Train: NGPU processes on this node via torchrun, config from CONFIG_FILE, every extra argument is a config
+# Train: NGPU processes on this node via torchrun, config from CONFIG_FILE (unset: the trainer's default,
+# DEFAULT_CONFIG_FILE in trainer/job_config.py, train_configs/debug_model.toml), every extra argument is a config
 # override (--section.key value). Multi-node: set NNODES, NODE_RANK and RDZV_ENDPOINT (host:port) on every node,
 # or pass any torchrun flags in TORCHRUN_ARGS. MAX_RESTARTS enables torchrun's elastic restarts.
 set -euo pipefail
@@ -8,7 +9,8 @@ source tools/ensure_venv.sh
 
 NGPU="${NGPU:-1}"
 NNODES="${NNODES:-1}"
-CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
+config=()  # without CONFIG_FILE, preflight and the trainer read their default config (one place: job_config.py)
+if [ -n "${CONFIG_FILE:-}" ]; then config=(--job.config_file "$CONFIG_FILE"); fi
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 
 if ! command -v nvidia-smi >/dev/null 2>&1; then
@@ -21,7 +23,7 @@ fi
 # With --job.print_config true it prints the merged config, with --parallelism.dry_run true the per-rank plan for
 # NGPU * NNODES ranks; both exit 10: stop there.
 rc=0
-python -m trainer.preflight --world-size "$(( NGPU * NNODES ))" --job.config_file "$CONFIG_FILE" "$@" || rc=$?
+python -m trainer.preflight --world-size "$(( NGPU * NNODES ))" "${config[@]}" "$@" || rc=$?
 if [ "$rc" -eq 10 ]; then exit 0; elif [ "$rc" -ne 0 ]; then exit "$rc"; fi
 
 if [ "$NNODES" -gt 1 ]; then
@@ -34,4 +36,4 @@ fi
 # exit code (docs/errors.md), instead of torchrun's failure report. TORCHRUN_ARGS take torchrun's options.
 # shellcheck disable=SC2086
 exec python -m trainer.launch --nproc_per_node="$NGPU" "${rdzv[@]}" --max-restarts="$MAX_RESTARTS" ${TORCHRUN_ARGS:-} \
-  -m trainer.train --job.config_file "$CONFIG_FILE" "$@"
+  -m trainer.train "${config[@]}" "$@"

@@ -186,6 +186,9 @@ def run_check(smoke: bool = False, steps: int = 3, recipe: str = "none", dtype: 
 
 def main(argv: list[str]) -> None:
     """CLI; exits 1 when a row is outside the tolerance."""
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return
     if argv[:1] == ["--worker"]:
         from trainer import device as devices
 

@@ -13,7 +13,7 @@ from benchmarks import memory_plan_check
 from models.deepseek_v3.model import DeepSeekV3Model
 from trainer.tools.dry_run import report
 from trainer.job_config import load_config, model_job
-from trainer.tools.memory_plan import plan
+from trainer.tools.memory_plan import COMPILE_NOTE, main, plan
 from trainer.registry import get_model_spec
 from trainer.train import Trainer, prepare
 
@@ -116,6 +116,21 @@ def test_fp8_plan_knows_the_recipe():
     per_layer = padded * (args.dim + 4 * args.moe_inter_dim) * 4 + rows * 8
     assert fp8["activation_bytes"] - none["activation_bytes"] == moe_layers * per_layer
     assert fp8["transients"]["backward_working_set"] > none["transients"]["backward_working_set"]
+
+
+def test_a_compiled_plan_is_stated_as_an_upper_bound(capsys):
+    """The plan models what eager autograd saves; compile saves less (it recomputes pointwise ops), so a compiled
+    run's plan says it is an upper bound, in the JSON and in the text, and otherwise equals the eager plan."""
+    base = ["--config", os.path.join(CONFIGS, "debug_model.toml"), "--ngpu", "1", "--device", "cpu"]
+    main(base + ["--json"])
+    eager = json.loads(capsys.readouterr().out)["ranks"][0]
+    main(base + ["--json", "--compile.enable", "true"])
+    compiled = json.loads(capsys.readouterr().out)["ranks"][0]
+    assert not eager["upper_bound"] and COMPILE_NOTE not in eager["notes"]
+    assert compiled["upper_bound"] and COMPILE_NOTE in compiled["notes"]
+    assert compiled["predicted_peak_bytes"] == eager["predicted_peak_bytes"]
+    main(base + ["--compile.enable", "true"])
+    assert f"note: {COMPILE_NOTE}" in capsys.readouterr().out
 
 
 def test_smoke_check_row_against_its_own_numbers(capsys):

@@ -254,3 +254,39 @@ def test_1f1b_with_fewer_microbatches_than_stages_is_refused_before_launch():
         validate_job(cfg, 4)
     rows = plan_layouts(cfg, 4, 100.0, device="cpu")["layouts"]
     assert not any(r["pp"] == 4 and r["pp_schedule"] == "1F1B" for r in rows)
+
+
+def test_nothing_fits_suggests_only_what_can_help():
+    """When no layout fits, the fixes named are ones that lower the peak: no batch below one sequence, and full AC
+    only where the planner did not try it (the config holds another mode)."""
+    from trainer.tools.plan import choose_layout, nothing_fits
+
+    one = load_config(DEBUG + ["--training.local_batch_size", "1"])
+    with pytest.raises(ConfigError) as tried:
+        choose_layout(one, 2, 0.01, "cpu")
+    line = str(tried.value)
+    assert "smallest peak" in line and "more GPUs or GPUs of >= " in line, line
+    assert "local_batch_size below" not in line and "mode = full" not in line, line
+    assert "a training.seq_len below 256" in line, line
+    with pytest.raises(ConfigError, match=r"activation_checkpoint\.mode = full"):  # the config's own mode kept
+        choose_layout(load_config(DEBUG + ["--activation_checkpoint.mode", "selective"]), 2, 0.01, "cpu")
+    # the smallest peak may belong to a selective layout (a pipeline stage's): full AC was tried all the same
+    result = plan_layouts(one, 2, 0.01, device="cpu")
+    result["layouts"][0] = dict(result["layouts"][0], ac="selective")
+    problem, fixes = nothing_fits(result, one, {})
+    assert "mode = full" not in fixes and "local_batch_size" not in fixes, fixes
+
+
+def test_plan_text_shows_gib_to_two_decimals_and_exits_3_when_nothing_fits():
+    """The header, the rejected lines and the last line agree to two decimals; no layout fitting is exit code 3
+    (NOTHING_FITS, docs/errors.md), after the plan and one line of what can help."""
+    from trainer.tools.plan import NOTHING_FITS
+
+    r = _cli("--ngpu", "1", "--device-memory", "0.4", "--device", "cpu", *DEBUG)
+    assert r.returncode == NOTHING_FITS == 3, r.stdout + r.stderr
+    assert "(0.36 GiB usable after a 10% reserve)" in r.stdout, r.stdout
+    rejected = [line for line in r.stdout.splitlines() if line.startswith("  rejected pp=1 ep=1: smallest peak")]
+    assert rejected and rejected[0].endswith("> 0.36 GiB usable, on stage 0"), r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("no layout fits 0.36 GiB per rank (keeping nothing); the smallest peak is "), last
+    assert "what can help: more GPUs or GPUs of >= " in last and "Traceback" not in r.stderr, last

@@ -368,3 +368,32 @@ def test_scaling_smoke_report_against_its_runs():
     assert ep["communication_s"] == split["communication"] > 0
     assert ep["communication_share"] == pytest.approx(split["communication"] / sum(split.values()))
     assert report["ratio"] == pytest.approx(ep["aggregate_tokens_per_s"] / independent["aggregate_tokens_per_s"])
+
+
+def test_gpu_summary_checks_the_targets_from_the_reports(tmp_path):
+    """benchmarks/gpu_summary.py: the table's rows and the targets from synthetic reports (ratios of free-running
+    tokens/s, MFU), a target whose reports are missing is "not run", the junit counts."""
+    from benchmarks.gpu_summary import summary
+
+    def report(name, tokens_per_s, mfu):
+        free = {"steps": 10, "seconds": 1.0, "tokens_per_s": tokens_per_s, "mfu": mfu}
+        split = {"kernel_s": {"optimizer": 0.02}, "idle_s": 0.004}
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "tokens_per_s": tokens_per_s * 0.9, "mfu": mfu * 0.9, "free_running": free,
+            "peak_memory_bytes": 3 * 2**30, "gpu_time_split": split}))
+
+    report("b671_bf16", 1000.0, 0.4)
+    report("b671_fp8_blockwise", 1200.0, 0.48)
+    report("b671_fp8_rowwise", 1100.0, 0.44)
+    report("b16_b4", 5000.0, 0.56)
+    (tmp_path / "machine.json").write_text("[1, 2]")  # not a report
+    (tmp_path / "tests_cuda.xml").write_text('<testsuites><testsuite tests="12" failures="1" errors="0" '
+                                             'skipped="2"/></testsuites>')
+    text = summary(str(tmp_path))
+    assert "| b671_fp8_blockwise | 1,080 | 1,200 | 43.2% | 48.0% | 3.00 | 20.0 | 4.0 |" in text
+    assert "- 671B shapes: FP8 blockwise / bf16 tokens/s >= 1.15: 1.20x PASS" in text
+    assert "- 671B shapes: FP8 rowwise / bf16 tokens/s >= 1.15: 1.10x FAIL" in text
+    assert "- 16B shapes, compiled B4: MFU >= 55%: 56.0% PASS" in text
+    assert "- 16B shapes, compiled B2: MFU >= 50%: not run (b16_b2 missing)" in text
+    assert "- tests_cuda.xml: 12 tests, 1 failures, 0 errors, 2 skipped" in text
+    assert "machine" not in text

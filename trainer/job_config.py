@@ -49,7 +49,8 @@ class JobSection:
     """Where outputs go and what this invocation does."""
 
     config_file: str = option("", cli_only=True)
-    """Path of the TOML file that was loaded (set only by `--job.config_file PATH`; empty = defaults only)."""
+    """Path of the TOML file that was loaded (set only by `--job.config_file PATH`; empty = defaults only). A
+    command given none reads `train_configs/debug_model.toml` (`DEFAULT_CONFIG_FILE`)."""
     dump_folder: str = "./outputs"
     """Root folder for everything a run writes: checkpoints, tensorboard logs, memory reports."""
     description: str = ""
@@ -106,6 +107,20 @@ def load_config(argv: Sequence[str]) -> JobConfig:
     need the world size or compare keys live in `validate_job`; checks that need the model live in the model spec.
     """
     return load(JobConfig, argv, config_file_key="job.config_file")
+
+
+DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
+"""The config of a command that names none: `./run_train.sh` (without CONFIG_FILE), `python -m trainer.train` and
+every tool (`trainer.preflight`, `trainer.plan`, `trainer.memory_plan`, `trainer.dry_run`, `trainer.job_config`)
+read it, so that a plan or a check without a config is about the run `./run_train.sh` trains. Relative to the
+repository root, where the commands run."""
+
+
+def load_command_config(argv: Sequence[str]) -> JobConfig:
+    """`load_config` for a command line: `DEFAULT_CONFIG_FILE` unless `argv` names a config file
+    (`--job.config_file ""` reads the dataclass defaults alone)."""
+    names_one = any(a == "--job.config_file" or a.startswith("--job.config_file=") for a in argv)
+    return load_config(argv if names_one else ["--job.config_file", DEFAULT_CONFIG_FILE, *argv])
 
 
 #: Sections whose keys come first in a run's label: what shapes memory and speed, the usual subject of a comparison.
@@ -288,7 +303,7 @@ def _validate_context_parallel(cfg: JobConfig, cp: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m trainer.job_config [--job.config_file F] [overrides]`: check a config and print it merged."""
-    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    cfg = load_command_config(sys.argv[1:] if argv is None else argv)
     print(config_to_toml(cfg), end="")
 
 

@@ -51,7 +51,7 @@ from trainer.checkpoint.files import CheckpointError
 from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError
 from trainer.data.config import DatasetError
 from trainer.data.for_job import data_errors_at
-from trainer.job_config import JobConfig, load_config, run_name
+from trainer.job_config import JobConfig, load_command_config, run_name
 from trainer.launch import PREEMPTED_PREFIX, leave_marker, write_error_line
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory.leak_detector import ALARM_RANK_TAG, ALARM_TAG, LeakDetector, MemoryLeakError
@@ -583,7 +583,7 @@ def _report_preemption(stop: Stop, rank: int) -> None:
 
 
 def _main(argv: list[str]) -> None:
-    cfg = load_config(argv)
+    cfg = load_command_config(argv)
     listen(parse_signals(cfg.checkpoint.preemption_signals))  # main() listened to the default signals
     if cfg.job.print_config:
         # the checks of a launch first: an invalid config is reported as such, not printed

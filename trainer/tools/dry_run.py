@@ -1,12 +1,13 @@
 """Dry run: check a parallel layout for any world size in one CPU process, without GPUs.
 
-`python -m trainer.dry_run --ngpu 16 --job.config_file train_configs/deepseek_v3_16b.toml [overrides]`
-(or `./run_train.sh --parallelism.dry_run true` with NGPU set) validates the degrees, then, for one rank per
-pipeline stage, joins a fake process group as that rank, builds the real meshes and the rank's model parts on the
-meta device through the trainer's own build path (`trainer.build`: pipeline split, expert parallelism, FP8, AC,
-compile, FSDP; no memory), and prints what that rank would hold: parameters (fp32 master weights), gradients and
-AdamW state in bytes, how many blocks are checkpointed, plus each distinct sharding of its parameters (mesh
-dimensions and placements) with how many parameters have it and the first of them with its local shape.
+`python -m trainer.dry_run --ngpu 16 --job.config_file train_configs/deepseek_v3_16b.toml [overrides]` (without
+a config the trainer's default, `train_configs/debug_model.toml`), or `./run_train.sh --parallelism.dry_run true`
+with NGPU set, validates the degrees, then, for one rank per pipeline stage, joins a fake process group as that
+rank, builds the real meshes and the rank's model parts on the meta device through the trainer's own build path
+(`trainer.build`: pipeline split, expert parallelism, FP8, AC, compile, FSDP; no memory), and prints what that rank
+would hold: parameters (fp32 master weights), gradients and AdamW state in bytes, how many blocks are
+checkpointed, plus each distinct sharding of its parameters (mesh dimensions and placements) with how many
+parameters have it and the first of them with its local shape.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.tensor import DTensor
 
-from core.config import run_with_config_errors
+from core.config import ConfigError, run_with_config_errors
 from parallelisms.mesh import build_meshes
 from trainer.build import build_model_parts
-from trainer.job_config import load_config, model_job, validate_job
+from trainer.job_config import load_command_config, model_job, validate_job
 from trainer.optimizer import STATE_DTYPES
 from trainer.registry import get_model_spec
 
@@ -128,12 +129,16 @@ def print_report(rows: list[dict], world_size: int, cfg) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """`python -m trainer.dry_run --ngpu N [--json] [config args]`."""
+    """`python -m trainer.dry_run --ngpu N [--json] [config args]` (without a config the trainer's default)."""
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return
     as_json = "--json" in argv
     argv = [a for a in argv if a != "--json"]
-    if argv[:1] != ["--ngpu"] or len(argv) < 2:
-        raise SystemExit("usage: python -m trainer.dry_run --ngpu N [--json] [config args]")
-    world_size, cfg = int(argv[1]), load_config(argv[2:])
+    if argv[:1] != ["--ngpu"] or len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
+        raise ConfigError("--ngpu", "must come first, with a whole number of ranks >= 1",
+                          "python -m trainer.dry_run --ngpu N [--json] [config args]")
+    world_size, cfg = int(argv[1]), load_command_config(argv[2:])
     rows = report(cfg, world_size)
     if as_json:
         print(json.dumps({"world_size": world_size, "ranks": rows}))

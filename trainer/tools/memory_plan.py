@@ -1,10 +1,11 @@
 """Memory plan: predict the per-rank peak of a training step before allocating anything.
 
-`python -m trainer.memory_plan --config X.toml --ngpu N [--json] [--device cpu|cuda] [--routing-skew F]
-[overrides...]` (`--job.config_file X.toml` works too). Analytic, for the first rank of every pipeline stage: the
-pipeline split is the trainer's own (`plan_stages`), the rank's parameter shares come from the model's parameter
-shapes under EP and FSDP's dim-0 sharding (a test holds them equal to the dry run's counts on the meta device),
-and on top of those:
+`python -m trainer.memory_plan --ngpu N [--config X.toml] [--json] [--device cpu|cuda] [--routing-skew F]
+[overrides...]` (`--job.config_file X.toml` works too; without a config it plans the trainer's default,
+`train_configs/debug_model.toml`, and without `--device` for this machine's device, as the trainer would run).
+Analytic, for the first rank of every pipeline stage: the pipeline split is the trainer's own (`plan_stages`), the
+rank's parameter shares come from the model's parameter shapes under EP and FSDP's dim-0 sharding (a test holds
+them equal to the dry run's counts on the meta device), and on top of those:
 
 * state: parameters (fp32 master, local shards), gradients (same), AdamW state (2x parameters; 1x with
   `optimizer.state_dtype = "bfloat16"`);
@@ -36,7 +37,8 @@ from parallelisms.moe_comm.registry import COMM_BACKENDS, get_comm_backend, op_t
 from parallelisms.pipeline import plan_stages
 from core.config import ConfigError, run_with_config_errors
 from trainer.tools.dry_run import compact
-from trainer.job_config import load_config, model_job, validate_job
+from trainer.device import device_type
+from trainer.job_config import load_command_config, model_job, validate_job
 from core.loss import chunk_rows
 from core.memory_types import Item, Shape
 from trainer.optimizer import STATE_DTYPES
@@ -49,6 +51,11 @@ _F32 = 4
 #: policy saving one of them does not run the block's exchanges again in its recompute
 _COMM_OPS = frozenset({"all_to_all"}.union(*(get_comm_backend(n).ac_ops for n in COMM_BACKENDS)))
 
+
+COMPILE_NOTE = ("compile.enable: the eager peak, an upper bound for the compiled step (inductor recomputes pointwise "
+                "ops in backward, e.g. SiLU, products and norms, instead of saving them: on an H200 at 16B shapes "
+                "compiled peaks were 7-16% under eager, and this plan 13-23% over them; docs/memory.md)")
+"""Why the plan of a compiled run is an upper bound: it models what eager autograd saves."""
 
 _SUMS: dict[tuple, tuple] = {}
 """`_block_sums` by (item list, mode, save_ops): blocks of one kind share their item list."""
@@ -175,6 +182,8 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
         modes = {i: "none" for i in layer_ids}
     if sh.skew != 1.0:
         notes.append(f"routing skew {sh.skew:g}: this EP rank's experts receive {sh.skew:g} x the mean rows")
+    if cfg.compile.enable:
+        notes.append(COMPILE_NOTE)
 
     params = stage.param_numel * 4
     # per-block activations and backward working sets
@@ -325,7 +334,7 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
         "forward_backward_peak_bytes": fwd_bwd_peak, "forward_backward_peak_at": worst,
         "optimizer_phase_bytes": optimizer_phase,
         "peak_phase": "optimizer_step" if optimizer_phase >= fwd_bwd_peak else worst,
-        "predicted_peak_bytes": peak, "notes": notes,
+        "predicted_peak_bytes": peak, "upper_bound": bool(cfg.compile.enable or ac.recompute_modules), "notes": notes,
     }
 
 
@@ -353,9 +362,17 @@ def _print(result: dict) -> None:
             print(f"    note: {note}")
 
 
+_USAGE = ("python -m trainer.memory_plan --ngpu N [--config X.toml] [--json] [--device cpu|cuda] "
+          "[--routing-skew F] [--section.key value ...]")
+
+
 def main(argv: list[str]) -> None:
-    """CLI: `--config X.toml` (or `--job.config_file`), `--ngpu N`, `--json`, `--device cpu|cuda`, overrides."""
+    """CLI: `--ngpu N`, `--config X.toml` (or `--job.config_file`; default: the trainer's, `DEFAULT_CONFIG_FILE`),
+    `--json`, `--device cpu|cuda` (default: this machine's, as the trainer), overrides."""
     argv = list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return
     as_json = "--json" in argv
     argv = [x for x in argv if x != "--json"]
     opts = {}
@@ -363,18 +380,17 @@ def main(argv: list[str]) -> None:
         if flag in argv:
             k = argv.index(flag)
             if k + 1 >= len(argv):
-                raise SystemExit(f"{flag} needs a value")
+                raise ConfigError(flag, "needs a value", _USAGE)
             opts[flag] = argv[k + 1]
             del argv[k:k + 2]
     if "--ngpu" not in opts:
-        raise SystemExit("usage: python -m trainer.memory_plan --config X.toml --ngpu N [--json] "
-                         "[--device cpu|cuda] [--routing-skew F] [--section.key value ...]")
+        raise ConfigError("--ngpu", "is missing", _USAGE)
     if "--config" in opts:
         argv = ["--job.config_file", opts["--config"]] + argv
-    device = opts.get("--device", "cpu")
+    device = opts.get("--device", device_type())
     if device not in ("cpu", "cuda"):
-        raise SystemExit("--device must be cpu or cuda")
-    result = plan(load_config(argv), int(opts["--ngpu"]), device, float(opts.get("--routing-skew", 1.0)))
+        raise ConfigError("--device", f"{device!r} is not a device", "cpu, cuda")
+    result = plan(load_command_config(argv), int(opts["--ngpu"]), device, float(opts.get("--routing-skew", 1.0)))
     if as_json:
         print(json.dumps(result))
     else:

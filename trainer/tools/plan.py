@@ -12,6 +12,11 @@ step time (`trainer.tools.step_time`). Layouts whose worst rank fits `device mem
 predicted throughput (tokens per second and GPU: layouts differ in their data-parallel degree, hence in tokens
 per step); the others are summarised in one line per family (pipeline x EP degree) with their smallest peak.
 
+Without a config it plans the trainer's default (`train_configs/debug_model.toml`, `DEFAULT_CONFIG_FILE` in
+`trainer/job_config.py`), and without `--device` for this machine's device, as the trainer would run. Exit code 0
+when a layout fits, 3 (`NOTHING_FITS`) when none does (the plan is printed all the same, then one line saying what
+can help), 2 for bad input.
+
 `parallelism.auto = true` runs `choose_layout` in every rank's preflight (`trainer.prepare`): the keys of the
 layout that the TOML or the command line set stay as given; the planner picks the rest.
 """
@@ -32,12 +37,13 @@ from parallelisms.moe_comm.registry import COMM_BACKENDS, get_comm_backend
 from parallelisms.parallel_dims import ParallelismSection
 from quantization.fp8.accounting import fp8_flops_per_token
 from quantization.fp8.config import RECIPES, fp8_selection
-from trainer.job_config import JobConfig, load_config, model_job, validate_job
+from trainer.device import device_type
+from trainer.job_config import JobConfig, load_command_config, model_job, validate_job
 from trainer.registry import available_models, get_model_spec
 from trainer.tools.memory_plan import plan_rank
-from trainer.tools.step_time import Hardware, step_time
+from trainer.tools.step_time import Hardware, fp8_operands, step_time
 
-__all__ = ["DEFAULT_ROUTING_SKEW", "Layout", "choose_layout", "main", "plan_layouts"]
+__all__ = ["DEFAULT_ROUTING_SKEW", "NOTHING_FITS", "Layout", "choose_layout", "main", "nothing_fits", "plan_layouts"]
 
 GiB = 2 ** 30
 #: Expert rows a rank receives over the balanced mean, assumed unless --routing-skew says otherwise. The debug
@@ -47,6 +53,8 @@ DEFAULT_ROUTING_SKEW = 1.5
 #: Device memory kept out of the plan: CUDA context, NCCL buffers, the caching allocator's fragmentation.
 DEFAULT_RESERVE = 0.10
 _AC_MODES = ("none", "selective", "full")
+NOTHING_FITS = 3
+"""Exit code of `python -m trainer.plan` when no layout fits (the plan is printed all the same; docs/errors.md)."""
 
 
 @dataclass(frozen=True)
@@ -228,8 +236,8 @@ def evaluate(cfg: JobConfig, layout: Layout, ngpu: int, device: str, skew: float
     fraction = _fp8_fraction(spec, args, job)
     schedule = layout.pp_schedule if dims.pp_enabled else None
     reshard = layout.reshard == "always" or (layout.reshard == "default" and not dims.pp_enabled)
-    times = [step_time(dims, schedule, reshard, accumulation, r["work"], fraction, layout.backend, hw)
-             for r in ranks]
+    times = [step_time(dims, schedule, reshard, accumulation, r["work"], fraction, layout.backend, hw,
+                       fp8_operands(spec, args, job, dims, r["work"])) for r in ranks]
     slowest = max(times, key=lambda t: t["step_s"])
     tokens = tr.local_batch_size * tr.seq_len * dims.dp * accumulation
     return {**dataclasses.asdict(layout),
@@ -273,8 +281,8 @@ def plan_layouts(cfg: JobConfig, ngpu: int, memory_gib: float, device: str = "cu
     for (pp, ep), r in sorted(families.items()):
         if any(f["pp"] == pp and f["ep"] == ep for f in fitting):
             continue
-        rejected.append(f"pp={pp} ep={ep}: smallest peak {r['predicted_peak_gib']:.1f} GiB ({r['layout']}) > "
-                        f"{usable:.1f} GiB usable, on stage {r['worst_stage']}")
+        rejected.append(f"pp={pp} ep={ep}: smallest peak {r['predicted_peak_gib']:.2f} GiB ({r['layout']}) > "
+                        f"{usable:.2f} GiB usable, on stage {r['worst_stage']}")
     for reason, group in refused.items():
         rejected.append(f"{group[0].describe()} and {len(group) - 1} more: {reason}" if len(group) > 1 else
                         f"{group[0].describe()}: {reason}")
@@ -293,28 +301,41 @@ def choose_layout(cfg: JobConfig, world_size: int, memory_gib: float, device: st
     result = plan_layouts(cfg, world_size, memory_gib, device, skew, fixed=fixed)
     fits = [r for r in result["layouts"] if r["fits"]]
     if not fits:
-        kept = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "nothing"
+        problem, fixes = nothing_fits(result, cfg, fixed)
         if not result["layouts"]:
-            raise ConfigError("parallelism.auto", f"no layout of {world_size} ranks passes the trainer's checks "
-                              f"(keeping {kept}): {'; '.join(result['rejected'][:3])}",
-                              "other degrees, or parallelism.auto = false")
-        best = result["layouts"][0]
-        tr = cfg.training
-        fixes = [f"more GPUs or GPUs of >= {best['predicted_peak_gib'] / (1 - DEFAULT_RESERVE):.3g} GiB"]
-        if best["ac"] != "full":
-            fixes.append("activation_checkpoint.mode = full")
-        fixes.append(f"a training.local_batch_size below {tr.local_batch_size} or a training.seq_len below "
-                     f"{tr.seq_len}")
-        raise ConfigError(
-            "parallelism.auto",
-            f"no layout fits {result['usable_gib']:.3g} GiB per rank (keeping {kept}); the smallest peak is "
-            f"{best['predicted_peak_gib']:.3g} GiB ({best['layout']})", ", ".join(fixes))
+            fixes += ", or parallelism.auto = false"
+        raise ConfigError("parallelism.auto", problem, fixes)
     best = fits[0]
     layout = Layout.of_row(best)
     line = (f"parallelism.auto: {best['layout']} (predicted peak {best['predicted_peak_gib']:.2f} of "
             f"{result['usable_gib']:.2f} GiB usable, step {best['predicted_step_s']:.3g} s uncalibrated; "
             f"{len(fits)} of {result['evaluated']} layouts fit)")
     return layout.apply(cfg), line
+
+
+def nothing_fits(result: dict, cfg: JobConfig, fixed: dict[str, object] | None = None) -> tuple[str, str]:
+    """(what, what can help) when no layout of `result` (`plan_layouts` of `cfg`, `fixed` fields held) fits. Only
+    what can lower the smallest peak is suggested: full activation checkpointing only where the planner did not
+    try it (the config holds another mode), a smaller batch only above one sequence, a shorter sequence only
+    above one token."""
+    fixed = fixed or {}
+    kept = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "nothing"
+    if not result["layouts"]:
+        return (f"no layout of {result['ngpu']} ranks passes the trainer's checks (keeping {kept}): "
+                f"{'; '.join(result['rejected'][:3])}", "other degrees")
+    best = result["layouts"][0]
+    # rounded up: GPUs of the size named do fit the smallest peak
+    need = math.ceil(best["predicted_peak_gib"] / (1 - result["reserve_fraction"]) * 100) / 100
+    fixes = [f"more GPUs or GPUs of >= {need:.2f} GiB"]
+    if fixed.get("ac", "full") != "full":
+        fixes.append("activation_checkpoint.mode = full")
+    tr = cfg.training
+    if tr.local_batch_size > 1:
+        fixes.append(f"a training.local_batch_size below {tr.local_batch_size}")
+    if tr.seq_len > 1:
+        fixes.append(f"a training.seq_len below {tr.seq_len}")
+    return (f"no layout fits {result['usable_gib']:.2f} GiB per rank (keeping {kept}); the smallest peak is "
+            f"{best['predicted_peak_gib']:.2f} GiB ({best['layout']})", ", ".join(fixes))
 
 
 def calibrate(cfg: JobConfig, ngpu: int, device: str, skew: float, hw: Hardware, measured_s: float) -> Hardware:
@@ -331,7 +352,7 @@ def calibrate(cfg: JobConfig, ngpu: int, device: str, skew: float, hw: Hardware,
 
 def _print(result: dict, top: int, seconds: float) -> None:
     print(f"layout plan: {result['model']} on {result['ngpu']} x {result['device_memory_gib']:g} GiB "
-          f"({result['usable_gib']:.1f} GiB usable after a {result['reserve_fraction']:.0%} reserve), batch "
+          f"({result['usable_gib']:.2f} GiB usable after a {result['reserve_fraction']:.0%} reserve), batch "
           f"{result['batch'][0]} x {result['batch'][1]} per rank, routing skew {result['routing_skew']:g} "
           f"(expert rows at {result['routing_skew']:g} x the balanced mean)")
     fits = [r for r in result["layouts"] if r["fits"]]
@@ -403,7 +424,7 @@ def main(argv: list[str]) -> None:
                               "[config args]")
     ngpu = _number("--ngpu", opts["--ngpu"], int)
     memory = _number("--device-memory", opts["--device-memory"])
-    device = opts.get("--device", "cuda")
+    device = opts.get("--device", device_type())
     if device not in ("cuda", "cpu"):
         raise _bad("--device", device, "cuda, cpu")
     skew = _number("--routing-skew", opts.get("--routing-skew", str(DEFAULT_ROUTING_SKEW)), low=0.999999)
@@ -418,7 +439,7 @@ def main(argv: list[str]) -> None:
         hw_values.setdefault("gpus_per_node", ngpu // nnodes)
     if "--config" in opts:
         rest = ["--job.config_file", opts["--config"]] + rest
-    cfg = load_config(rest)
+    cfg = load_command_config(rest)
     check_model(cfg)
     hw = Hardware().with_values(**hw_values)
     if "--calibrate-step-s" in opts:
@@ -430,6 +451,10 @@ def main(argv: list[str]) -> None:
         print(json.dumps(result))
     else:
         _print(result, top, seconds)
+    if not any(r["fits"] for r in result["layouts"]):
+        problem, fixes = nothing_fits(result, cfg)
+        print(f"{problem}; what can help: {fixes}", file=sys.stderr)
+        raise SystemExit(NOTHING_FITS)
 
 
 def check_model(cfg: JobConfig) -> None:

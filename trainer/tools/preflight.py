@@ -13,7 +13,7 @@ import sys
 
 from core.config import config_to_toml, run_with_config_errors
 from trainer.tools.dry_run import print_report, report
-from trainer.job_config import load_config
+from trainer.job_config import load_command_config
 from trainer.train import prepare
 
 NOTHING_TO_LAUNCH = 10
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
     world_size = 1
     if argv[:1] == ["--world-size"]:
         world_size, argv = int(argv[1]), argv[2:]
-    cfg = load_config(argv)
+    cfg = load_command_config(argv)
     prep = prepare(cfg, world_size, rank=0)
     if prep.auto_layout is not None:
         print(prep.auto_layout)
