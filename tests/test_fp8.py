@@ -538,7 +538,7 @@ def _platform(capability, **deps):
     ((8, 9), "emulated", "emulated", "torchao Float8Linear", "emulated", "emulated"),  # L40: _scaled_mm only
     ((9, 0), "scaled_mm BlockWise1x128 x BlockWise128x128", "scaled_mm BlockWise1x128 x BlockWise1x128",
      "torchao Float8Linear", "_scaled_grouped_mm rowwise", "scaled_mm per expert"),
-    ((10, 0), "emulated", "emulated", "torchao Float8Linear", "_scaled_grouped_mm rowwise", "emulated"),  # B200
+    ((10, 0), "emulated", "emulated", "torchao Float8Linear", "emulated", "emulated"),  # B200: not yet run there
 ], ids=["cpu", "sm80", "sm89", "sm90", "sm100"])
 def test_kernel_choice_by_capability(capability, linear, wgrad, rowwise_linear, rowwise_experts, blockwise_experts):
     from quantization.fp8.kernels import blockwise_linear_kernels, grouped_kernel, rowwise_linear_kernel
@@ -767,3 +767,18 @@ def test_real_kernel_paths_trace_under_compile(kernel):
         assert "CPU" in str(e) or "Invalid scaling configuration" in str(e), e
     else:
         pytest.fail("ran on CPU: an FP8 GEMM with no CPU kernel in torch 2.13 ran")
+
+
+def test_fp8_kernels_benchmark_needs_cuda(capsys):
+    """benchmarks/fp8_kernels.py measures on a GPU only: here one line on stderr, no report (exit code 1 as a
+    script), and a bad shape set is refused by name."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs the benchmark itself (benchmarks/gpu_session.sh)")
+    from benchmarks.fp8_kernels import main
+
+    assert main(["--shapes", "671b"]) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["benchmarks/fp8_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False): nothing measured"]
+    with pytest.raises(SystemExit) as bad:
+        main(["--shapes", "7b"])
+    assert bad.value.code == 2 and "--shapes: unknown 7b; allowed: 16b, 671b" in capsys.readouterr().err

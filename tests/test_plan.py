@@ -290,3 +290,79 @@ def test_plan_text_shows_gib_to_two_decimals_and_exits_3_when_nothing_fits():
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("no layout fits 0.36 GiB per rank (keeping nothing); the smallest peak is "), last
     assert "what can help: more GPUs or GPUs of >= " in last and "Traceback" not in r.stderr, last
+
+
+def test_step_time_counts_fp8_quantisation_by_hand():
+    """FP8's quantisation (issue 34): operand elements x fp8_quantize_bytes over HBM at elementwise_efficiency, per
+    microbatch, on the critical path with the GEMMs; what its GEMMs save reported beside it."""
+    from trainer.tools.step_time import Fp8Operands
+
+    hw = Hardware(peak_tflops=100.0, efficiency=0.5, hbm_gbps=1000.0, fp8_speedup=2.0, fp8_quantize_bytes=5.0,
+                  elementwise_efficiency=0.5)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, ep=1, pp=1, world_size=1)
+    work = {"microbatches": 2, "forward_flops": 1e12, "recompute_flops": 0, "stages_per_rank": 1,
+            "fsdp_unit_bytes": [], "unit_element_bytes": 2, "grad_bytes": 1e9, "a2a_bytes": 0,
+            "a2a_recomputed_bytes": 0, "hidden_bytes": 0, "param_count": 1e9, "optimizer_bytes_per_param": 28}
+    bf16 = step_time(dims, None, True, 1, work, 0.0, "alltoall", hw)
+    fp8 = step_time(dims, None, True, 1, work, 0.5, "alltoall", hw, Fp8Operands(1e-3, 2e8))
+    assert fp8["fp8_saved_s"] == pytest.approx(2 * 3e12 * 0.5 * 0.5 / 50e12)
+    assert fp8["compute_s"] == pytest.approx(bf16["compute_s"] - fp8["fp8_saved_s"])
+    per_element = 5.0 / (1000e9 * 0.5)
+    assert fp8["fp8_quantize_weights_s"] == pytest.approx(2 * 2e8 * per_element)
+    assert fp8["fp8_quantize_s"] == pytest.approx(2 * (1e-3 * 0.5 * 3e12 + 2e8) * per_element)
+    assert fp8["step_s"] == pytest.approx(fp8["compute_s"] + fp8["fp8_quantize_s"] + fp8["optimizer_s"])
+    # without the operands (the planner before issue 34) FP8 was all gain
+    assert step_time(dims, None, True, 1, work, 0.5, "alltoall", hw)["fp8_quantize_s"] == 0
+
+
+def test_fp8_operands_from_the_models_shapes():
+    """The operand elements the step-time model quantises, from the model's parameter shapes and FLOPs table: the
+    16B benchmark's 4 layers (1 dense, 3 MoE of 64 experts, top-6), blockwise without the dense FFN, counted here
+    layer by layer by hand."""
+    from trainer.job_config import model_job
+    from trainer.registry import get_model_spec
+    from trainer.tools.step_time import fp8_operands
+
+    cfg = load_config(["--job.config_file", os.path.join(CONFIGS, "h100_bench.toml"), "--fp8.recipe", "blockwise",
+                       "--fp8.exclude_modules", "default,feed_forward"])
+    spec = get_model_spec("deepseek_v3")
+    args = spec.build_args(model_job(cfg))
+    dims = validate_job(cfg, 1)
+    work = plan_rank(cfg, dims, 0, "cuda", 1.0, args)["work"]
+    ops = fp8_operands(spec, args, cfg, dims, work)
+    # per token: 2 (K + N) per weight and row: wq 2048 + 3072, wkv_b 512 + 4096, wo 2048 + 2048 in every layer;
+    # the shared experts' three 2048 x 2816 and six expert rows through three 2048 x 1408 in the MoE layers
+    attention = 2 * (5120 + 4608 + 4096)
+    moe = 3 * 2 * 4864 + 6 * 3 * 2 * 3456
+    fp8_flops = 6 * (4 * (2048 * 3072 + 512 * 4096 + 2048 * 2048) + 3 * (3 * 2048 * 2816 + 6 * 3 * 2048 * 1408))
+    assert ops.elements_per_flop == pytest.approx((4 * attention + 3 * moe) / fp8_flops)
+    linears = 4 * (2048 * 3072 + 512 * 4096 + 2048 * 2048) + 3 * 3 * 2048 * 2816
+    experts = 3 * 64 * 3 * 2048 * 1408
+    assert ops.weight_elements == pytest.approx(2 * (linears + experts))  # one rank holds every weight
+    assert fp8_operands(spec, args, load_config(["--job.config_file", os.path.join(CONFIGS, "h100_bench.toml")]),
+                        dims, work) is None
+
+
+def test_fp8_predicted_slower_at_16b_shapes_and_faster_at_671b_shapes():
+    """The planner's step time counts FP8's quantisation: at the 16B benchmark's shapes (1408-wide experts, 768 rows
+    each) FP8 is predicted slower than bf16, at the 671B benchmark's (2048-wide experts over dim 7168, 4096 rows
+    each) faster; preflight says the first in one line before launch, and nothing for the second."""
+    from trainer.tools.preflight import fp8_speed_note
+
+    for config, extra, faster in (("h100_bench.toml", ["--fp8.exclude_modules", "default,feed_forward"], False),
+                                  ("h100_bench_671b.toml", [], True)):
+        cfg = load_config(["--job.config_file", os.path.join(CONFIGS, config), "--fp8.recipe", "blockwise", *extra])
+        rows = {r["fp8"]: r for r in plan_layouts(cfg, 1, 80.0, device="cuda")["layouts"] if r["ac"] == "none"}
+        ratio = rows["none"]["predicted_step_s"] / rows["blockwise"]["predicted_step_s"]
+        assert (ratio > 1) == faster, (config, ratio)
+        breakdown = rows["blockwise"]["step_breakdown_s"]
+        assert breakdown["fp8_quantize_s"] > 0 and breakdown["fp8_saved_s"] > 0
+        note = fp8_speed_note(cfg, 1, "cuda")
+        if faster:
+            assert note is None
+        else:
+            assert note.startswith(f"fp8.recipe = blockwise: predicted {ratio:.2f}x bf16 tokens/s at these shapes "
+                                   f"(quantisation {breakdown['fp8_quantize_s'] * 1e3:.1f} ms vs GEMM savings "
+                                   f"{breakdown['fp8_saved_s'] * 1e3:.1f} ms per step"), note
+            assert "FP8 pays from about" in note and "h100_bench_671b.toml" in note, note
+        assert fp8_speed_note(cfg, 1, "cpu") is None  # CPU runs emulate every FP8 GEMM: no GPU prediction

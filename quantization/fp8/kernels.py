@@ -6,16 +6,17 @@ without a GPU; `Platform.detect` reads the running machine.
     linear, rowwise              torchao's Float8Linear (torch._scaled_mm)  CPU, or CUDA sm89+; torchao installed
     linear, blockwise fwd/dgrad  scaled_mm BlockWise1x128 x BlockWise128x128  CUDA sm90, bf16, dims % 128 == 0
     linear, blockwise wgrad      scaled_mm BlockWise1x128 x BlockWise1x128  the same, and tokens a multiple of 128
-    grouped experts, rowwise     torch._scaled_grouped_mm, rowwise scales   CUDA sm90 / sm100, bf16, dims % 16 == 0
+    grouped experts, rowwise     torch._scaled_grouped_mm, rowwise scales   CUDA sm90, bf16, dims % 16 == 0
     grouped experts, blockwise   DeepGEMM (through torchao's MoE wrapper)   CUDA sm90, deep_gemm importable, bf16
                                  scaled_mm per expert (1x128 x 128x128)     CUDA sm90 without DeepGEMM, bf16
     anything else                emulated: quantise, dequantise, multiply in the compute dtype (`gemms.py`)
 
-Why these (docs/fp8.md, "Kernels"): cuBLAS' blockwise scaled GEMMs (torch >= 2.9) run on sm90 only; torch's grouped
-FP8 GEMM takes rowwise scales only, so blockwise experts need DeepGEMM or one scaled_mm per expert (which reads the
-group offsets on the host: one sync per grouped GEMM). The emulation is the reference and the CPU path; its e4m3
-operands and the real kernels' are the same bits (`quantize.quantize_tiles`), except DeepGEMM's, whose quantisation
-is torchao's (scales amax / 448, not powers of two).
+Why these (docs/fp8.md, "Kernels"): cuBLAS' blockwise scaled GEMMs (torch >= 2.9) run on sm90 only, and torch's
+grouped FP8 GEMM is taken as sm90-only too until a Blackwell GPU has run it. That one takes rowwise scales only, so
+blockwise experts need DeepGEMM or one scaled_mm per expert (which reads the group offsets on the host: one sync
+per grouped GEMM). The emulation is the reference and the CPU path; its e4m3 operands and the real kernels' are the
+same bits (`quantize.quantize_tiles`), except DeepGEMM's, whose quantisation is torchao's (scales amax / 448, not
+powers of two).
 """
 
 from __future__ import annotations
@@ -91,13 +92,14 @@ def _deep_gemm_usable() -> bool:
     """deep_gemm imports with the grouped training kernels torchao's wrapper calls (an ABI mismatch fails here)."""
     if importlib.util.find_spec("deep_gemm") is None:
         return False
-    try:  # optional dependencies: torchao's wrapper needs triton, and deep_gemm a matching build
+    try:  # optional dependencies: torchao's wrapper needs triton, and deep_gemm a matching build; any failure to
+        # import them (an ImportError, or a build's own error at import) means the kernel is not there
         from torchao.prototype.blockwise_fp8_training.deepgemm_grouped_kernels import is_deep_gemm_available
 
         import torchao.prototype.moe_training.blockwise_fp8.grouped_mm  # noqa: F401
-    except ImportError:
+        return is_deep_gemm_available()
+    except Exception:
         return False
-    return is_deep_gemm_available()
 
 
 def _hopper(p: Platform) -> bool:
@@ -136,7 +138,7 @@ def grouped_kernel(p: Platform, recipe: str, dtype: torch.dtype, in_features: in
         return EMULATED
     if recipe == "rowwise":
         aligned = in_features % ROWWISE_ALIGN == 0 and out_features % ROWWISE_ALIGN == 0
-        return ROWWISE_GROUPED if p.scaled_grouped_mm and p.capability[0] in (9, 10) and aligned else EMULATED
+        return ROWWISE_GROUPED if p.scaled_grouped_mm and _hopper(p) and aligned else EMULATED
     if in_features % BLOCK or out_features % BLOCK or not _hopper(p):
         return EMULATED
     if p.deep_gemm:

@@ -9,11 +9,15 @@ With `job.print_config = true` it prints the merged config once the checks pass,
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
-from core.config import config_to_toml, run_with_config_errors
+from core.config import ConfigError, config_to_toml, run_with_config_errors
+from trainer.device import device_type
 from trainer.tools.dry_run import print_report, report
 from trainer.job_config import load_command_config
+from trainer.tools.plan import DEFAULT_ROUTING_SKEW, Layout, evaluate
+from trainer.tools.step_time import Hardware
 from trainer.train import prepare
 
 NOTHING_TO_LAUNCH = 10
@@ -29,12 +33,43 @@ def main(argv: list[str]) -> None:
     if prep.auto_layout is not None:
         print(prep.auto_layout)
     cfg = prep.cfg
+    note = fp8_speed_note(cfg, world_size, device_type())
+    if note is not None:
+        print(note)
     if cfg.job.print_config:
         print(config_to_toml(cfg), end="")
         sys.exit(NOTHING_TO_LAUNCH)
     if cfg.parallelism.dry_run:
         print_report(report(cfg, world_size), world_size, cfg)
         sys.exit(NOTHING_TO_LAUNCH)
+
+
+def fp8_speed_note(cfg, world_size: int, device: str) -> str | None:
+    """One line when the step-time model (`trainer.tools.step_time`) predicts the config's FP8 recipe slower than
+    bf16 on the config's own layout, with what its quantisation costs, what its GEMMs save, and from how many more
+    tokens per GEMM it would pay (the saving and the activations' quantisation grow with the tokens, the weights'
+    does not); None otherwise. CUDA launches only: the model is of a GPU, and on CPU every FP8 GEMM is emulated."""
+    if cfg.fp8.recipe == "none" or device != "cuda":
+        return None
+    own, cache = Layout.of_config(cfg, world_size), {}
+    try:
+        fp8, bf16 = (evaluate(cfg, layout, world_size, device, DEFAULT_ROUTING_SKEW, Hardware(), cache)
+                     ["step_breakdown_s"] for layout in (own, dataclasses.replace(own, fp8="none")))
+    except ConfigError:  # a model without a memory plan: nothing to predict with
+        return None
+    ratio = bf16["step_s"] / fp8["step_s"]
+    if ratio >= 1:
+        return None
+    quantize, saved, weights = fp8["fp8_quantize_s"], fp8["fp8_saved_s"], fp8["fp8_quantize_weights_s"]
+    if saved > quantize - weights:
+        pays = (f"FP8 pays from about {weights / (saved - quantize + weights):.1f}x these tokens per GEMM (a larger "
+                "batch, or wider layers as at DeepSeek-V3 671B's shapes: train_configs/h100_bench_671b.toml)")
+    else:
+        pays = "at these layer widths FP8 does not pay at any batch (quantising the activations costs more than " \
+               "the GEMMs save)"
+    return (f"fp8.recipe = {cfg.fp8.recipe}: predicted {ratio:.2f}x bf16 tokens/s at these shapes (quantisation "
+            f"{quantize * 1e3:.1f} ms vs GEMM savings {saved * 1e3:.1f} ms per step, uncalibrated step-time model); "
+            f"{pays}")
 
 
 def cli() -> None:
