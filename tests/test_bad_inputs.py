@@ -65,7 +65,6 @@ def _corrupt_metadata(ckpt):
 def _hf_dir_missing_shard(tmp):
     d = tmp / "hf"
     d.mkdir()
-    (d / "config.json").write_text("{}")
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
     return str(d)

@@ -3,6 +3,7 @@
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -198,15 +199,22 @@ def test_nonfinite_loss_policy(tmp_path, monkeypatch, policy):
         assert len(losses) == 3 and losses[1] != losses[1] and losses[2] == losses[2]
 
 
-RESHARD = ["--training.steps", "6", "--checkpoint.interval", "3", "--training.local_batch_size", "2"]
+RESHARD = ["--training.steps", "6", "--checkpoint.interval", "3", "--training.local_batch_size", "2",
+           "--metrics.log_freq", "1"]  # every step logged: an interrupted job's history holds its steps
 
 
 @pytest.mark.slow
-def test_reshard_save_at_fsdp2_ep2_resume_at_fsdp4_one_rank_and_pp2(tmp_path):
+def test_reshard_save_at_fsdp2_ep2_resume_at_fsdp4_one_rank_and_pp2(tmp_path, caplog):
+    """Also the global batch of a resume with training.global_batch_size = -1 (the default): the checkpoint's
+    (2 ranks x local_batch_size 2 = 4 sequences), kept at pp2 (data-parallel degree 1) and on one rank by gradient
+    accumulation, with one line saying so; so their losses are the straight run's. A checkpoint's batch that is
+    no multiple of the new layout's is refused before launch, naming the key."""
+    from core.config import ConfigError
     from dist_utils import launch
 
+    default_batch = ["--training.global_batch_size", "-1"]
     reference = run(_cfg(tmp_path / "reference", *RESHARD))
-    saved = launch(2, {"save": {"args": RESHARD + ["--parallelism.expert_parallel_degree", "2"],
+    saved = launch(2, {"save": {"args": RESHARD + ["--parallelism.expert_parallel_degree", "2", *default_batch],
                                 "stop_after": 3}}, tmp_path, BASE)
     assert [h["loss"] for h in saved["save"]] == pytest.approx(reference[:3], rel=2e-5)
     src = tmp_path / "save" / "checkpoint" / "step-3"
@@ -214,11 +222,21 @@ def test_reshard_save_at_fsdp2_ep2_resume_at_fsdp4_one_rank_and_pp2(tmp_path):
         shutil.copytree(src, tmp_path / name / "checkpoint" / "step-3")
     four = launch(4, {"fsdp4": RESHARD + ["--training.local_batch_size", "1"]}, tmp_path, BASE)["fsdp4"]
     pp2 = launch(2, {"pp2": RESHARD + ["--parallelism.pipeline_parallel_degree", "2",
-                                       "--parallelism.pipeline_parallel_schedule", "GPipe"]},
+                                       "--parallelism.pipeline_parallel_schedule", "GPipe", *default_batch]},
                  tmp_path, BASE)["pp2"]
-    one = run(_cfg(tmp_path / "one_rank", *RESHARD))
+    caplog.set_level("INFO", logger="trainer")
+    one = run(_cfg(tmp_path / "one_rank", *RESHARD, *default_batch))
     for name, losses in (("fsdp4", [h["loss"] for h in four]), ("pp2", [h["loss"] for h in pp2]), ("one", one)):
         assert losses == pytest.approx(reference[3:], rel=2e-5), name
+    assert [r.getMessage() for r in caplog.records if "global_batch_size" in r.getMessage()] == [
+        "training.global_batch_size = -1: keeping the checkpoint's global batch of 4 sequences per step "
+        "(local_batch_size 2 x data-parallel degree 1 x 2 gradient accumulation steps); set "
+        "training.global_batch_size to change it"]
+    with pytest.raises(ConfigError, match=r"^config error: training.global_batch_size: -1 keeps the global batch of "
+                                          r"the checkpoint \S+step-6, 4 sequences, which is not a multiple of "
+                                          r"local_batch_size 3 x data-parallel degree 1 = 3"):
+        prepare(_cfg(tmp_path / "one_rank", *RESHARD, *default_batch, "--training.local_batch_size", "3",
+                     "--training.steps", "7"), 1, 0)
 
 
 @pytest.mark.slow
@@ -379,3 +397,133 @@ def test_another_flavors_experts_are_named_and_a_partial_load_skips_them(tmp_pat
     assert all(torch.equal(loaded[k], fresh[k] if k in skipped else saved[k]) for k in loaded)
     assert not torch.equal(loaded["layers.0.attention.wo.weight"], fresh["layers.0.attention.wo.weight"])
     assert all(math.isfinite(loss) for loss in _train(trainer))
+
+
+# ----------------------------------------------------------------------------------------------- full disk
+
+@pytest.mark.slow
+def test_a_full_disk_is_named_with_the_folder_and_the_bytes_free_and_needed(tmp_path, monkeypatch, caplog):
+    """torch's writer reports a full disk as `unexpected pos 704 vs 598`, without an errno: the save's one line
+    says the disk is full, naming the folder and the bytes free and needed. A disk too small from the start: a
+    warning at start, and the first save fails before writing anything."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    import trainer.checkpoint.manager as manager
+    from trainer.checkpoint.manager import CheckpointSaveError
+
+    write_data, free = dcp_fs.FileSystemWriter.write_data, {"bytes": 2 ** 40}
+
+    def full_at_step_2(self, plan, planner):
+        if "step-2.tmp" in str(self.path):
+            free["bytes"] = 4096
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(dcp_fs.FileSystemWriter, "write_data", full_at_step_2)
+    monkeypatch.setattr(manager, "free_bytes", lambda folder: free["bytes"])
+    folder = tmp_path / "full" / "checkpoint"
+    with pytest.raises(CheckpointSaveError) as err:
+        run(_cfg(tmp_path / "full", "--training.steps", "3", "--checkpoint.interval", "1"))
+    match = re.fullmatch(
+        rf"saving {folder}/step-2.tmp failed: the disk is full: {folder} has 4.0 KiB free, a checkpoint needs about "
+        r"([\d.]+) MiB \(rank 0: RuntimeError: \[enforce fail at inline_container.cc:672\] . unexpected pos 704 vs "
+        r"598\); the previous checkpoint stays the latest \(step-1\)", str(err.value))
+    assert match, str(err.value)
+    size = sum(f.stat().st_size for f in (folder / "step-1").iterdir())
+    assert abs(float(match.group(1)) * 2 ** 20 - size) < 0.05 * size  # the estimate is the checkpoint's size
+    assert sorted(os.listdir(folder)) == ["step-1"]
+
+    free["bytes"] = 2 ** 20
+    monkeypatch.setattr(dcp_fs.FileSystemWriter, "write_data", lambda *args: pytest.fail("wrote to a full disk"))
+    caplog.set_level("WARNING", logger="trainer")
+    small = tmp_path / "small" / "checkpoint"
+    with pytest.raises(CheckpointSaveError, match=rf"^saving {small}/step-1.tmp failed: the disk is full: {small} has "
+                                                  r"1.0 MiB free, a checkpoint needs about [\d.]+ MiB; the previous "
+                                                  r"checkpoint stays the latest \(none yet\)$"):
+        run(_cfg(tmp_path / "small", "--training.steps", "1"))
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"checkpoint: {small} has 1.0 MiB free; a checkpoint needs more than the model's weights alone, 7.3 MiB: the "
+        "saves will fail (free space, or set job.dump_folder or checkpoint.folder to a larger disk)"]
+    assert os.listdir(small) == []
+
+
+# ----------------------------------------------------------------------------------------------- damaged files
+
+def _zero_inside(file) -> None:
+    """Zero the middle half of `file`, keeping its size (a bad sector, a stale page of a network file system)."""
+    size = os.path.getsize(file)
+    with open(file, "r+b") as f:
+        f.seek(size // 4)
+        f.write(b"\0" * (size // 2))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_corrupt_at_its_size_falls_back_on_every_rank_with_one_warning(tmp_path):
+    """2 ranks, one launch (the worker is this file, `_corrupt_worker`): a run saves steps 1-3 with
+    checkpoint.verify = "checksum"; rank 1's file of step-3 is zeroed inside, its size kept. The next run's ranks
+    find it by its checksum, all fall back to step-2 and continue with the straight run's losses. Then rank 1's file
+    of step-4 and rank 0's of step-3 are zeroed, and a run with verify = "size" (stat only) fails to load each in
+    turn: every rank falls back to step-2, loaded whole (the losses are again the straight ones, bit for bit), and
+    rank 0 warns once, naming each file and why."""
+    from dist_utils import torchrun_json
+
+    args = BASE + ["--training.local_batch_size", "2", "--checkpoint.interval", "1", "--job.dump_folder",
+                   str(tmp_path / "run")]
+    result = torchrun_json(2, os.path.abspath(__file__), {"corrupt": args}, tmp_path)["corrupt"]
+    folder = tmp_path / "run" / "checkpoint"
+    straight, by_checksum, by_load = result["losses"]
+    assert len(straight) == 3 and by_checksum[0] == straight[2] and by_load[:2] == [straight[2], by_checksum[1]]
+    assert result["steps"] == [[[1, 2, 3]] * 2, [[3, 4]] * 2, [[3, 4, 5]] * 2]  # every rank resumed from step-2
+    assert result["warnings"][1] == [[], [], []]
+    assert result["warnings"][0][1] == [
+        "checkpoint: skipped step-3 (rank 1: __1_0.distcp does not match its checksum (changed since it was saved)) "
+        f"in {folder}; resuming from step-2"]
+    (line,) = result["warnings"][0][2]
+    assert line.startswith("checkpoint: skipped step-3 (cannot be loaded: rank 0: __0_0.distcp: "), line
+    assert re.search(r"\), step-4 \(cannot be loaded: rank [01]: __1_0\.distcp: \w+: ", line), line
+    assert line.endswith(f") in {folder}; resuming from step-2"), line
+    assert sorted(os.listdir(folder / "step-2" / "checksums")) == ["rank_0.json", "rank_1.json"]
+
+
+def _corrupt_worker(jobs_path: str, out_path: str) -> None:
+    """torchrun entry point of the corrupt-checkpoint test: three runs of one job, files zeroed between them."""
+    import torch.distributed as dist
+    from dist_worker import worker_session
+
+    class Warnings(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    with worker_session(jobs_path, out_path, timeout_s=300) as (jobs, results):
+        args = jobs["corrupt"]
+        folder = os.path.join(args[args.index("--job.dump_folder") + 1], "checkpoint")
+        runs = [(3, "checksum", []), (4, "checksum", ["step-3/__1_0.distcp"]),
+                (5, "size", ["step-4/__1_0.distcp", "step-3/__0_0.distcp"])]
+        losses, steps, warnings = [], [], []
+        for total, verify, zeroed in runs:
+            if dist.get_rank() == 0:
+                for name in zeroed:
+                    _zero_inside(os.path.join(folder, name))
+            dist.barrier()
+            handler = Warnings()
+            logging.getLogger("trainer").addHandler(handler)
+            history: list[dict] = []
+            try:
+                losses.append(run(load_config(args + ["--training.steps", str(total), "--checkpoint.verify", verify]),
+                                  shutdown=False, history=history))
+            finally:
+                logging.getLogger("trainer").removeHandler(handler)
+            steps.append(list(range(total - len(history) + 1, total + 1)))  # the steps this rank trained
+            warnings.append(handler.lines)
+        gathered = [None, None]
+        dist.all_gather_object(gathered, (steps, warnings))
+        results["corrupt"] = {"losses": losses, "steps": [[ranks[i] for ranks, _ in gathered] for i in range(3)],
+                              "warnings": [lines for _, lines in gathered]}
+
+
+if __name__ == "__main__":
+    _corrupt_worker(sys.argv[1], sys.argv[2])

@@ -581,6 +581,9 @@ def test_initial_load_in_hf_builds_the_checkpoints_own_model_or_names_the_config
     line = refusal(str(bare))
     assert line.endswith(f"; {bare} has no config.json, so model.flavor 'debugmodel' builds the model: set "
                          "model.hf_config_path to the config.json the checkpoint was saved with"), line
+    (bare / "config.json").write_text("{}")  # not a DeepSeek config: the key at fault is the checkpoint's path
+    assert refusal(str(bare)).startswith("config error: checkpoint.initial_load_path: unsupported HF config: "
+                                         "model_type None")
     other = tmp_path / "other.json"
     other.write_text(json.dumps(hf_config_from_args(OUR_TINY.replace(vocab_size=2048))))
     line = refusal(str(hf_dir), "--model.hf_config_path", str(other))

@@ -19,6 +19,7 @@ from parallelisms.activation_checkpoint.config import save_ops_warning
 from parallelisms.parallel_dims import ParallelDims
 from trainer import device as devices
 from trainer.checkpoint.files import CheckpointError, latest_checkpoint
+from trainer.checkpoint.manager import saved_loader_state
 from trainer.checkpoint.weights import WeightMismatch, check_checkpoint
 from trainer.data.for_job import build_loader, holds_out
 from trainer.data.loader import PackedDataLoader
@@ -45,6 +46,7 @@ class Prepared:
     val_loader: PackedDataLoader | None
     checkpoint_note: str | None = None  # what a partial checkpoint load skips, logged once by rank 0
     auto_layout: str | None = None  # the layout `parallelism.auto` chose, in one line
+    batch_note: str | None = None  # a resume keeps its checkpoint's global batch: the line that says so
 
 
 def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
@@ -52,7 +54,9 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
     With `parallelism.auto` the layout planner chooses the layout first (`Prepared.cfg` holds it): every rank
     chooses the same, from the same config and memory."""
     auto_layout = None
-    cfg = _with_hf_checkpoint_config(cfg)
+    own_config = _hf_checkpoint_config(cfg)
+    if own_config is not None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_config_path=own_config))
     if cfg.parallelism.auto:
         cfg, auto_layout = _auto_layout(cfg, world_size)
     dims = validate_job(cfg, world_size)
@@ -66,7 +70,13 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
     if dims.pp_enabled and spec.pipeline is None:
         raise ConfigError("parallelism.pipeline_parallel_degree", f"model {cfg.model.name!r} has no pipeline split",
                           "1")
-    model_args = spec.build_args(model_job(cfg))
+    try:
+        model_args = spec.build_args(model_job(cfg))
+    except ConfigError as e:
+        if e.key != "model.hf_config_path" or own_config is None:
+            raise
+        # the user set no model.hf_config_path: the config at fault is the checkpoint's own
+        raise ConfigError("checkpoint.initial_load_path", e.problem, e.allowed) from None
     try:
         tokenizer = build_tokenizer(cfg.tokenizer.path)
     except ValueError as e:
@@ -75,16 +85,39 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
         raise ConfigError("tokenizer.path", f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's "
                           f"vocab_size {model_args.vocab_size}", f"a tokenizer with <= {model_args.vocab_size} ids")
     dp_rank = (rank // dims.cp) % dims.dp  # meshes are laid out (pp, dp_replicate, dp_shard, cp), pp outermost
-    global_batch = cfg.training.global_batch_size
-    if global_batch == -1:
-        global_batch = cfg.training.local_batch_size * dims.dp
+    global_batch, batch_note = _global_batch(cfg, dims)
     loader_args = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len, global_batch_size=global_batch,
                        dp_rank=dp_rank, dp_degree=dims.dp)
     hold_out = cfg.validation.hold_out_every if cfg.validation.enable and holds_out(cfg) else 0
     train_loader = build_loader(cfg, loader_args, hold_out, validation=False)
     val_loader = build_loader(cfg, loader_args, hold_out, validation=True) if cfg.validation.enable else None
     note = _check_checkpoints(cfg, spec, model_args)
-    return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader, note, auto_layout)
+    return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader, note, auto_layout, batch_note)
+
+
+def _global_batch(cfg: JobConfig, dims: ParallelDims) -> tuple[int, str | None]:
+    """Sequences per step, and the line that says where they come from when it is not what the config says: with
+    `training.global_batch_size = -1`, a resume keeps its checkpoint's global batch (the layout may have changed
+    since; gradient accumulation covers the difference), so the loss curve goes on as the checkpoint's run would
+    have; a fresh run uses local_batch_size x the data-parallel degree."""
+    lbs, per_step = cfg.training.local_batch_size, cfg.training.local_batch_size * dims.dp
+    if cfg.training.global_batch_size != -1:
+        return cfg.training.global_batch_size, None
+    try:
+        resume = latest_checkpoint(cfg.checkpoint, cfg.job.dump_folder)
+    except CheckpointError:
+        return per_step, None  # `_check_checkpoints` reports it
+    saved = (saved_loader_state(resume) or {}).get("global_batch_size") if resume is not None else None
+    if saved is None or saved == per_step:
+        return per_step, None
+    if saved % per_step:
+        raise ConfigError("training.global_batch_size", f"-1 keeps the global batch of the checkpoint {resume}, "
+                          f"{saved} sequences, which is not a multiple of local_batch_size {lbs} x data-parallel "
+                          f"degree {dims.dp} = {per_step}", f"a local_batch_size x data-parallel degree that divides "
+                          f"{saved}, or a global_batch_size that is a multiple of {per_step} (a new global batch)")
+    return saved, (f"training.global_batch_size = -1: keeping the checkpoint's global batch of {saved} sequences "
+                   f"per step (local_batch_size {lbs} x data-parallel degree {dims.dp} x {saved // per_step} "
+                   "gradient accumulation steps); set training.global_batch_size to change it")
 
 
 def _auto_layout(cfg: JobConfig, world_size: int) -> tuple[JobConfig, str]:
@@ -95,13 +128,14 @@ def _auto_layout(cfg: JobConfig, world_size: int) -> tuple[JobConfig, str]:
     return choose_layout(cfg, world_size, gib, devices.device_type())
 
 
-def _with_hf_checkpoint_config(cfg: JobConfig) -> JobConfig:
-    """With `checkpoint.initial_load_in_hf` and no `model.hf_config_path`, the model is the one the checkpoint's own
-    config.json describes (when it has one): the flavor's shapes would not fit its weights."""
+def _hf_checkpoint_config(cfg: JobConfig) -> str | None:
+    """The config.json the model is built from when `checkpoint.initial_load_in_hf` is set and
+    `model.hf_config_path` is not: the checkpoint's own (when it has one), whose shapes its weights have, not the
+    flavor's."""
     own = os.path.join(cfg.checkpoint.initial_load_path, "config.json")
     if not cfg.checkpoint.initial_load_in_hf or cfg.model.hf_config_path or not os.path.isfile(own):
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_config_path=own))
+        return None
+    return own
 
 
 def _hf_config_hint(cfg: JobConfig) -> str:

@@ -32,6 +32,12 @@ class CheckpointSection:
     """Checkpoint to initialise the model from when folder holds no checkpoint yet."""
     initial_load_in_hf: bool = False
     """initial_load_path is a Hugging Face safetensors checkpoint rather than a native one."""
+    verify: str = option("size", choices=["off", "size", "checksum"])
+    """How a resume checks a checkpoint before loading it. size: its DCP metadata is readable and every file is
+    as long as the metadata says (stat only). checksum: also a CRC32 of every file, written at save by each rank
+    for its own files and checked at load by the ranks in parallel (costs a read of the checkpoint at save and
+    at load, docs/cluster.md). off: the metadata only. Whatever this says, a checkpoint that fails to load is
+    skipped for the next older one."""
     allow_partial_load: bool = False
     """Load a checkpoint whose weights differ from the model's: weights the model does not have are skipped, and
     (initial_load_path only) weights the checkpoint lacks keep their initialisation; a warning names both. Off,

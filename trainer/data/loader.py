@@ -88,19 +88,26 @@ class PackedDataLoader:
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     def state_dict(self) -> dict[str, Any]:
-        """The global stream position (plain ints and a list of ints; the same on every rank)."""
+        """The global stream position (plain ints and a list of ints; the same on every rank), and the global batch
+        it was read with (a resume keeps it, `trainer/prepare.py`)."""
         return {
             "epoch": self.epoch,
             "doc_index": self.doc_index,
             "sequences_consumed": self.sequences_consumed,
             "buffer": self._buffer[self._pos :],
+            "global_batch_size": self.global_batch_size,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from ``state_dict`` (possibly saved with another DP degree or rank)."""
+        """Continue from ``state_dict`` (possibly saved with another DP degree, rank or global batch: the stream
+        goes on from the same sequence, and a changed global batch is logged)."""
         missing = {"epoch", "doc_index", "sequences_consumed", "buffer"} - set(state_dict)
         if missing:
             raise ValueError(f"data loader state lacks {', '.join(sorted(missing))}")
+        saved_batch = state_dict.get("global_batch_size", self.global_batch_size)  # states before it: unknown
+        if saved_batch != self.global_batch_size and self.dp_rank == 0:
+            logger.info("data: the checkpoint was trained with %d sequences per step, this run trains with %d "
+                        "(training.global_batch_size)", saved_batch, self.global_batch_size)
         self.epoch = int(state_dict["epoch"])
         self.doc_index = int(state_dict["doc_index"])
         self.sequences_consumed = int(state_dict["sequences_consumed"])
