@@ -559,6 +559,8 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
                 logger.warning(warning)
         if prep.checkpoint_note is not None:
             logger.warning(prep.checkpoint_note)
+        if prep.batch_note is not None:
+            logger.info(prep.batch_note)
     trainer = None
     try:
         trainer = Trainer(prep, device)
