@@ -23,6 +23,8 @@ fi
 # With --job.print_config true it prints the merged config, with --parallelism.dry_run true the per-rank plan for
 # NGPU * NNODES ranks; both exit 10: stop there.
 rc=0
+# preflight loads torch and reads the model, tokenizer and data: 10-25 s on a busy machine, said first
+echo "preflight: checking the config, model, tokenizer, data and checkpoints (world size $(( NGPU * NNODES ))) ..." >&2
 python -m trainer.preflight --world-size "$(( NGPU * NNODES ))" "${config[@]}" "$@" || rc=$?
 if [ "$rc" -eq 10 ]; then exit 0; elif [ "$rc" -ne 0 ]; then exit "$rc"; fi
 

@@ -109,10 +109,11 @@ def _final_losses(dump) -> dict[int, float]:
 
 class _Launch:
     """2 ranks in the background, through `./run_train.sh` (preflight included) or, `direct`, `python -m
-    trainer.launch` (what run_train.sh execs); stderr (the log, the error lines) read line by line. `faults` are
-    injected through `INJECT`."""
+    trainer.launch` (what run_train.sh execs) with torchrun's options `launcher` too; stderr (the log, the error
+    lines) read line by line. `faults` are injected through `INJECT`."""
 
-    def __init__(self, tmp_path, dump, *args, faults: list[dict] = (), direct: bool = False):
+    def __init__(self, tmp_path, dump, *args, faults: list[dict] = (), direct: bool = False,
+                 launcher: tuple[str, ...] = ()):
         self.lines: list[str] = []
         inject = tmp_path / "inject"
         inject.mkdir(exist_ok=True)
@@ -121,8 +122,8 @@ class _Launch:
                    PYTHONPATH=os.pathsep.join(filter(None, [str(inject), os.environ.get("PYTHONPATH")])))
         config = [*ARGS, "--job.dump_folder", str(dump), *args]
         cmd = ["./run_train.sh", *config] if not direct else [
-            sys.executable, "-m", "trainer.launch", "--standalone", "--nproc_per_node=2", "-m", "trainer.train",
-            "--job.config_file", "train_configs/debug_model.toml", *config]
+            sys.executable, "-m", "trainer.launch", "--standalone", "--nproc_per_node=2", *launcher, "-m",
+            "trainer.train", "--job.config_file", "train_configs/debug_model.toml", *config]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -213,6 +214,9 @@ def test_preemption_of_the_launcher_and_of_one_worker_in_training_and_validation
         assert launch.finish() == 75, launch.output()
         took = time.monotonic() - signalled
         assert _saved_step(launch.lines[-1]) == step, launch.output()
+        # one line: the launcher's (the ranks leave theirs to it), and no "run done" of the steps before it
+        assert sum("preempted by SIGTERM" in line for line in launch.lines) == 1, launch.output()
+        assert not any("run done:" in line for line in launch.lines), launch.output()
         assert took < 30, took
         assert (run / "checkpoint" / f"step-{step}" / "PREEMPTED").is_file()
         assert not any("Traceback" in line for line in launch.lines), launch.output()
@@ -312,6 +316,7 @@ def test_a_hung_but_alive_rank_is_named_within_the_timeout(tmp_path):
         "rank 0 is in step 3 (counting the batch's tokens): no rank advanced for more than "
         "comm.train_timeout_seconds = 10 s (alive but stuck in a call that does not return: a hung file system, "
         "device or peer); ending the job"), launch.output()
+    assert sum("stopped making progress" in line for line in launch.lines) == 1, launch.output()
     assert took < 10 + 10, took  # measured ~12 s on the loaded 2-core machine
     assert not _left_behind(ranks.values())
     assert not any("Traceback" in line for line in launch.lines), launch.output()
@@ -334,6 +339,7 @@ def test_a_stopped_rank_0_is_named_by_rank_1(tmp_path):
                         r"making progress while rank 1 is in step \d+: no heartbeat for more than "
                         r"comm.train_timeout_seconds = 10 s \(stopped, frozen or holding the interpreter\); ending "
                         r"the job", last), launch.output()
+    assert sum("stopped making progress" in line for line in launch.lines) == 1, launch.output()
     assert took < 10 + 10, took
     assert not _left_behind(ranks.values())
 
@@ -571,3 +577,48 @@ def test_compiling_counts_as_progress_and_a_timeout_during_a_compile_says_so_and
                         r"are in step 1 \(forward/backward of microbatch 1/1, compiling with torch.compile\): one "
                         r"graph's compile took longer than that \(a cold compile cache, a busy machine\); raise "
                         r"comm.init_timeout_seconds; ending the job", lines[0]), lines
+
+
+_LOGGED = re.compile(r"^(\[rank \d+\] )?\d\d:\d\d:\d\d (INFO|WARNING) |^FAULT rank ")
+
+
+def _unlogged(lines: list[str]) -> list[str]:
+    """The lines of a launch other than the trainer's log records and the injected faults' own lines."""
+    return [line for line in lines if not _LOGGED.match(line)]
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_rank_names_that_rank_not_the_one_that_lost_its_peer(tmp_path):
+    """kill -9 of rank 1 while it pauses in step 2 (rank 0 waits for it in a collective and fails a moment later):
+    the launcher names rank 1 and the signal, exit 137; the survivor's 'lost its peer' is no line of its own."""
+    launch = _Launch(tmp_path, tmp_path / "run", "--training.steps", "20", *QUIET, direct=True,
+                     faults=[_fault(1, 2, "metrics", seconds=60)])
+    launch.wait_for("FAULT rank 1 pause in step 2")
+    ranks = launch.ranks()
+    os.kill(ranks[1], signal.SIGKILL)
+    assert launch.finish(timeout=120) == 128 + signal.SIGKILL, launch.output()
+    assert _unlogged(launch.lines) == ["run failed on rank 1: killed by SIGKILL (out of memory? the kernel log says)"], \
+        launch.output()
+    assert not _left_behind(ranks.values())
+
+
+@pytest.mark.slow
+def test_an_elastic_restart_says_which_rank_died_how_and_where_it_resumes(tmp_path):
+    """torchrun --max-restarts=1, a checkpoint every 2 steps; kill -9 of rank 0 while it pauses in step 3: the job
+    restarts and finishes (exit 0), and one line says which rank died and how, and that restart 1 of 1 resumes from
+    step 2's checkpoint; nothing else but the log (no 'communication error' of the survivor)."""
+    run = tmp_path / "run"
+    launch = _Launch(tmp_path, run, "--training.steps", "4", "--checkpoint.enable", "true", "--checkpoint.interval",
+                     "2", *QUIET, direct=True, launcher=("--max-restarts=1",),
+                     faults=[_fault(0, 3, "metrics", seconds=2)])
+    launch.wait_for("FAULT rank 0 pause in step 3")
+    os.kill(launch.ranks()[0], signal.SIGKILL)
+    assert launch.finish(timeout=300) == 0, launch.output()
+    restart = [line for line in launch.lines if "restart 1 of 1" in line]
+    assert len(restart) == 1, launch.output()
+    checkpoint = run / "checkpoint" / "step-2"
+    assert re.fullmatch(rf"\d\d:\d\d:\d\d WARNING restart 1 of 1 \(torchrun --max-restarts\): rank 0 was killed by "
+                        rf"SIGKILL \(out of memory\? the kernel log says\); resuming from {re.escape(str(checkpoint))} "
+                        rf"\(step 2\)", restart[0]), restart[0]
+    assert _unlogged(launch.lines) == [], launch.output()
+    assert any("run done: steps 3-4 " in line for line in launch.lines), launch.output()

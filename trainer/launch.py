@@ -10,6 +10,9 @@ launcher exits with the failing rank's code:
     run failed on rank 0: killed by SIGKILL (out of memory? the kernel log says)
     run failed on rank 0: exit code 1 without a message (its traceback is above)
 
+One line for the job: a rank started by this launcher leaves its last line (an error it knows, a preemption, a
+hang it found) to the launcher instead of printing it too (`report_line`), so every line appears once.
+
 SIGTERM and SIGUSR1 reaching the launcher (the process a scheduler signals) are passed on to every rank, which
 saves a checkpoint and exits 0 (trainer/preemption.py); every rank leaves its preemption line in the launcher's
 folder (`LAUNCH_DIR_ENV`, one per launcher, so one per node), and the launcher prints the line of its lowest rank
@@ -27,13 +30,23 @@ bad input found after launch (data, checkpoint, config), 130 interrupted, 143 a 
 killed by signal N.
 
 The failing rank's line comes from the error file torchrun gives each rank (`TORCHELASTIC_ERROR_FILE`), which
-`trainer.train.main` writes for the errors it reports in one line (`write_error_line`). When several ranks fail,
-a rank that wrote such a line is named before one that did not (a rank that only lost its peers fails too, a
-moment later), the earliest first.
+`trainer.train.main` writes for the errors it reports in one line (`report_line`). When several ranks fail, one
+fails first and the others follow: they lose their peer in a collective (their error file says so), or torchrun's
+teardown stops them. torchrun stamps a rank without an error file with the second it noticed it, so the stamps of
+the ranks tie; the rank is chosen by how it ended instead (`_order`): one that left a line of its own error, then
+one killed by a signal other than SIGTERM (kill -9, the out-of-memory killer), then one that ended without a line
+(a traceback), then one ended by SIGTERM (the teardown's signal), then one that only lost its peer; a rank that
+failed seconds after the first (the teardown's SIGKILL after its 30 s) after all those; the earliest, then the
+lowest rank, first.
+
+Elastic restarts (`--max-restarts`, `MAX_RESTARTS` of run_train.sh): when torchrun restarts the ranks, the launcher
+leaves which rank failed and how in its folder (`RESTART_MARKER`); rank 0 of the new attempt logs one line with it,
+the restart's number and the checkpoint it resumes from (`restart_line`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -44,7 +57,7 @@ import threading
 import time
 
 __all__ = ["EXIT_PREEMPTED", "EXIT_SECOND_SIGTERM", "HUNG_MARKER", "LAUNCH_DIR_ENV", "PREEMPTED_PREFIX",
-           "leave_marker", "main", "write_error_line"]
+           "RESTART_MARKER", "launched", "leave_marker", "main", "report_line", "restart_line", "write_error_line"]
 
 EXIT_PREEMPTED = 75
 """Exit code of `trainer.launch` after a preemption checkpoint (EX_TEMPFAIL: requeue and run the same command)."""
@@ -60,18 +73,54 @@ PREEMPTED_PREFIX = "preempted-"
 node's launcher exits 75)."""
 HUNG_MARKER = "hung"
 """Marker of a hung job: `{"rank": R, "line": ...}`, the rank that reported it and its line (trainer/watchdog.py)."""
+RESTART_MARKER = "restart"
+"""Marker of an elastic restart, left before torchrun starts the new attempt: `{"restart": n, "of": N, "cause":
+"rank 1 was killed by SIGKILL ..."}`."""
+_LOST_PEER = "lost_peer"  # error-file field: the rank failed because another one did
 
 
-def write_error_line(line: str) -> None:
-    """Leave `line` (one line) for the launcher in this rank's torchrun error file; nothing outside torchrun."""
+def launched() -> bool:
+    """Whether this process is a rank started by `trainer.launch` (which prints the job's last line)."""
+    return bool(os.environ.get(LAUNCH_DIR_ENV))
+
+
+def write_error_line(line: str, lost_peer: bool = False) -> bool:
+    """Leave `line` (one line) for the launcher in this rank's torchrun error file; `lost_peer`: the rank failed
+    because another one did (the launcher names a rank that failed on its own first). Returns whether it was
+    written (nothing is, outside torchrun)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
     try:
         with open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
+            json.dump({"message": line, "timestamp": int(time.time()), _LOST_PEER: lost_peer}, f)
     except OSError:
-        pass  # the line was printed already; the launcher then names the exit code only
+        return False  # a full disk: the caller prints the line itself
+    return True
+
+
+def report_line(line: str, lost_peer: bool = False) -> None:
+    """A rank's last line: left in its error file for `trainer.launch`, which prints it once for the job; printed on
+    stderr here when no launcher will (plain torchrun, a single process) or the file could not be written."""
+    if not write_error_line(line, lost_peer) or not launched():
+        print(line, file=sys.stderr, flush=True)
+
+
+def restart_line(resumed: str) -> str | None:
+    """In rank 0 of an elastic restart, the line that says so: `restart n of N (torchrun --max-restarts): <which rank
+    failed and how>; <resumed>` (`resumed`: where the run resumes from); None in the first attempt."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        return None
+    of, cause = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), "the previous attempt failed (see above)"
+    try:
+        with open(os.path.join(os.environ.get(LAUNCH_DIR_ENV, ""), RESTART_MARKER)) as f:
+            marker = json.load(f)
+        if marker["restart"] == restart:
+            of, cause = marker["of"], marker["cause"]
+    except (OSError, ValueError, KeyError):
+        pass  # plain torchrun, or a launcher on another node restarted: its own line says why
+    return f"restart {restart} of {of} (torchrun --max-restarts): {cause}; {resumed}"
 
 
 def leave_marker(name: str, text: str) -> None:
@@ -97,25 +146,50 @@ class _DropReplacedRecords(logging.Filter):
         return not (message.startswith("Sending process") or message.startswith("failed (exitcode"))
 
 
-def _failure_line(error) -> tuple[str, int]:
-    """The one line for a torchrun `ChildFailedError`, and the exit code to end with."""
-    failures = error.failures  # global rank -> failure
+LATE_S = 5
+"""A rank that failed this many seconds after the first failure was ended by torchrun's teardown (its SIGKILL comes
+30 s after its SIGTERM): named after every rank that failed at once."""
 
-    def order(rank):
+
+def _wrote_line(failure) -> bool:
+    return bool(failure.error_file) and os.path.isfile(failure.error_file)
+
+
+def _order(failures: dict) -> list[int]:
+    """The failed ranks (global rank -> torchrun `ProcessFailure`), the one that failed on its own first (see the
+    module docstring)."""
+    first = min(failure.timestamp for failure in failures.values())
+
+    def key(rank):
         failure = failures[rank]
-        wrote_line = os.path.isfile(failure.error_file) if failure.error_file else False
-        return (not wrote_line, failure.timestamp, rank)
+        if _wrote_line(failure):
+            kind = 4 if failure.error_file_data.get(_LOST_PEER) else 0
+        elif failure.exitcode < 0:
+            kind = 3 if -failure.exitcode == signal.SIGTERM else 1
+        else:
+            kind = 2
+        return (failure.timestamp > first + LATE_S, kind, failure.timestamp, rank)
 
-    rank = min(failures, key=order)
-    failure = failures[rank]
-    where = f"run failed on rank {rank}"
+    return sorted(failures, key=key)
+
+
+def _how(failure) -> tuple[str, str, int]:
+    """How a rank ended: (after "run failed on rank R: ", after "rank R ", the exit code to end with)."""
     if failure.exitcode < 0:
         name = failure.signal_name()
         hint = " (out of memory? the kernel log says)" if name == "SIGKILL" else ""
-        return f"{where}: killed by {name}{hint}", 128 - failure.exitcode
-    if failure.error_file and os.path.isfile(failure.error_file):
-        return f"{where}: {failure.message}", failure.exitcode
-    return f"{where}: exit code {failure.exitcode} without a message (its traceback is above)", failure.exitcode
+        return f"killed by {name}{hint}", f"was killed by {name}{hint}", 128 - failure.exitcode
+    if _wrote_line(failure):
+        return failure.message, f"failed: {failure.message}", failure.exitcode
+    what = f"exit code {failure.exitcode} without a message (its traceback is above)"
+    return what, f"failed with {what}", failure.exitcode
+
+
+def _failure_line(error) -> tuple[str, int]:
+    """The one line for a torchrun `ChildFailedError`, and the exit code to end with."""
+    rank = _order(error.failures)[0]
+    line, _, code = _how(error.failures[rank])
+    return f"run failed on rank {rank}: {line}", code
 
 
 #: Signals the launcher passes on to the ranks instead of letting torchrun's agent stop them (the ranks' handlers,
@@ -216,6 +290,13 @@ class _Watch:
             return f"run failed on rank {self.hung['rank']}: {self.hung['line']}", 1
         return _failure_line(error)
 
+    def restarting(self, failures: dict, restart: int, of: int) -> None:
+        """torchrun restarts the ranks after `failures` (global rank -> `ProcessFailure`): leave which rank failed
+        and how for rank 0 of restart `restart` of `of` (`restart_line`)."""
+        rank = _order(failures)[0]
+        cause = f"rank {rank} {_how(failures[rank])[1]}"
+        leave_marker(RESTART_MARKER, json.dumps({"restart": restart, "of": of, "cause": cause}))
+
     def preempted_line(self) -> str | None:
         """The preemption line of the lowest rank of this node that left one, or None."""
         ranks = [int(name[len(PREEMPTED_PREFIX):]) for name in os.listdir(self.folder)
@@ -226,8 +307,33 @@ class _Watch:
             return f.read().strip()
 
 
+@contextlib.contextmanager
+def _noting_restarts(watch: _Watch):
+    """While torchrun runs in this process: before its agent restarts the ranks, `watch.restarting` learns which
+    rank failed and how. torchrun reports its restarts only in a log record; the agent's check of the ranks
+    (`_monitor_workers`, which returns the failures) is wrapped instead."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitored(agent, worker_group):
+        result = monitor(agent, worker_group)
+        left, most = agent._remaining_restarts, worker_group.spec.max_restarts
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures and left > 0:
+            watch.restarting(result.failures, most - left + 1, most)
+        return result
+
+    LocalElasticAgent._monitor_workers = monitored
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = monitor
+
+
 def main(argv: list[str]) -> int:
     """Run torchrun with `argv`; return the exit code (0, EXIT_PREEMPTED, or the failing rank's)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -247,14 +353,19 @@ def main(argv: list[str]) -> int:
         for sig in FORWARDED:
             signal.signal(sig, watch.on_signal)
         try:
-            run(args)
+            with _noting_restarts(watch):
+                run(args)
         except ChildFailedError as e:
             line, code = watch.failure_line(e)
             sys.stdout.flush()
             print(line, file=sys.stderr, flush=True)
             return code
-        except KeyboardInterrupt:
-            return 130
+        except (KeyboardInterrupt, SignalException) as e:
+            # torchrun's agent stopped the ranks (its handled signals: INT, HUP, QUIT); they leave their line here
+            signum = getattr(e, "sigval", signal.SIGINT)
+            print("interrupted" if signum == signal.SIGINT else f"run ended by {signal.Signals(signum).name}",
+                  file=sys.stderr, flush=True)
+            return 130 if signum == signal.SIGINT else 128 + signum
         finally:
             watch.close()
         line = watch.preempted_line()

@@ -13,9 +13,10 @@ point, whichever rank or ranks got the signal, and the rank that did not catch i
 parallelism the schedule runs all microbatches of a step in one call, so there the polls are at step boundaries and
 between validation batches only. The trainer then saves a synchronous checkpoint of the last finished step (an
 interrupted step is rolled back: its gradients are dropped, the data loader rewound), or nothing when no step
-finished yet, logs the times from the signal to the saved checkpoint and to the exit, leaves that line for
-`trainer.launch` (every rank, so that the launcher of every node sees it), and the process exits 0: torchrun sees
-a finished worker and does not restart it. `trainer.launch` then ends with `EXIT_PREEMPTED`, 75 (docs/errors.md).
+finished yet, and leaves its line, with the times from the signal to the saved checkpoint and to the exit, for
+`trainer.launch` (every rank, so that the launcher of every node sees it; rank 0 logs it when no launcher prints
+it), and the process exits 0: torchrun sees a finished worker and does not restart it. `trainer.launch` then prints
+the line once and ends with `EXIT_PREEMPTED`, 75 (docs/errors.md).
 
 A second SIGTERM exits at once (exit code 143); one that comes within `SECOND_SIGTERM_AFTER_S` (1 s) of the first
 preemption signal is the same request reaching the rank twice (SLURM signals every process of a job step, and the
@@ -33,11 +34,10 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 
-from trainer.launch import EXIT_SECOND_SIGTERM, SECOND_SIGTERM_AFTER_S, write_error_line
+from trainer.launch import EXIT_SECOND_SIGTERM, SECOND_SIGTERM_AFTER_S, report_line
 
 __all__ = ["DEFAULT_SIGNALS", "Preemption", "PreemptedError", "Stop", "listen", "parse_signals", "stop_listening"]
 
@@ -160,8 +160,7 @@ def _exit_at_once() -> None:
     """A second SIGTERM: the scheduler will not wait any longer. One line, exit 143, nothing saved."""
     line = ("preemption: a second SIGTERM arrived before the checkpoint was saved; exiting at once without it "
             "(the last published checkpoint stays the latest)")
-    print(line, file=sys.stderr, flush=True)
-    write_error_line(line)
+    report_line(line)
     os._exit(EXIT_SECOND_SIGTERM)
 
 

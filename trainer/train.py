@@ -47,12 +47,12 @@ from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.pipeline import build_schedule
 from trainer import device as devices
 from trainer.build import build_model_parts, materialize
-from trainer.checkpoint.files import CheckpointError
+from trainer.checkpoint.files import CheckpointError, latest_checkpoint
 from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError
 from trainer.data.config import DatasetError
 from trainer.data.for_job import data_errors_at
 from trainer.job_config import JobConfig, load_command_config, run_name
-from trainer.launch import PREEMPTED_PREFIX, leave_marker, write_error_line
+from trainer.launch import PREEMPTED_PREFIX, launched, leave_marker, report_line, restart_line
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory.leak_detector import ALARM_RANK_TAG, ALARM_TAG, LeakDetector, MemoryLeakError
 from trainer.memory.monitor import MemoryMonitor
@@ -525,8 +525,9 @@ class Trainer:
         one that decides whether a layout fits) and the rank that had it; the HParams row's metrics."""
         if self.rank != 0:
             return
-        logger.info("run done: %s", summary.line(self.start_step, self.cfg.training.steps, self.tb_run_dir,
-                                                 self.checkpoint.last_published))
+        if self.preempted is None:  # a preempted run ends with the preemption's line instead (step, checkpoint)
+            logger.info("run done: %s", summary.line(self.start_step, self.cfg.training.steps, self.tb_run_dir,
+                                                     self.checkpoint.last_published))
         if summary.steps:
             self.metrics.log_run_end(summary.last_step, summary.run_metrics())
 
@@ -564,6 +565,8 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
     trainer = None
     try:
         trainer = Trainer(prep, device)
+        if trainer.rank == 0:
+            _report_restart(cfg, trainer.start_step)
         losses = trainer.train(history)
     finally:
         if trainer is not None:
@@ -577,11 +580,22 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
 
 def _report_preemption(stop: Stop, rank: int) -> None:
     """The line of a preemption, as the last thing before the exit (it gives the time from the signal to the exit):
-    logged by rank 0 and left by every rank for its node's launcher, which then exits 75."""
+    left by every rank for its node's launcher, which prints it once and exits 75; logged by rank 0 when no launcher
+    prints it."""
     line = stop.line()
-    if rank == 0:
+    if rank == 0 and not launched():
         logger.warning(line)
     leave_marker(f"{PREEMPTED_PREFIX}{rank}", line)
+
+
+def _report_restart(cfg: JobConfig, start_step: int) -> None:
+    """In rank 0 of an elastic restart, one warning: which rank failed and how, and where the run resumes."""
+    path = latest_checkpoint(cfg.checkpoint, cfg.job.dump_folder) if start_step else None
+    resumed = (f"resuming from {path} (step {start_step})" if path else
+               "starting again from step 1: there is no checkpoint to resume from (checkpoint.enable)")
+    line = restart_line(resumed)
+    if line is not None:
+        logger.warning(line)
 
 
 def _main(argv: list[str]) -> None:
@@ -607,14 +621,15 @@ def _data_error_line(error: DatasetError) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point. Every error it knows ends the same way as a preflight error: its one line on
-    stderr (also left for `trainer.launch` in torchrun's error file), no traceback, and the exit code of
-    docs/errors.md: 2 bad input (config, checkpoint, data), 1 a training error, 130 interrupted.
+    """Command-line entry point. Every error it knows ends the same way as a preflight error: its one line, no
+    traceback, and the exit code of docs/errors.md: 2 bad input (config, checkpoint, data), 1 a training error, 130
+    interrupted. The line is left for `trainer.launch` in torchrun's error file, and the launcher prints it once for
+    the job; without a launcher the rank prints it on stderr (`report_line`).
 
     The process ends through `devices.end_process` (a process group may outlive its shutdown, see there).
     """
     argv = sys.argv[1:] if argv is None else argv
-    code, line = 0, None
+    code, line, lost_peer = 0, None, False
     try:
         _main(argv)
     except SystemExit as e:
@@ -634,13 +649,11 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as e:
         if not _lost_peer(e):
             raise
-        # another rank failed or was stopped first: its own line is the one to read (the launcher prefers it)
-        print(f"communication error on rank {devices.rank()}: {' '.join(str(e).split())[:300]}", file=sys.stderr,
-              flush=True)
-        code = 1
+        # another rank failed or was stopped first: the launcher names that one (trainer/launch.py, `_order`)
+        line = f"communication error on rank {devices.rank()}: {' '.join(str(e).split())[:300]}"
+        code, lost_peer = 1, True
     if line is not None:
-        print(line, file=sys.stderr, flush=True)
-        write_error_line(line)
+        report_line(line, lost_peer)
     devices.end_process(code)
 
 

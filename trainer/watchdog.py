@@ -29,11 +29,11 @@ the watcher started. When no rank advanced for longer than the timeout, the rank
 as behind; when every rank is at the same position, the line says that no rank advanced and where they all are.
 
 Ending. The lowest watching rank that is not named reports (another watcher takes over when that one has not done
-so three periods later): one line on its stderr and in its torchrun error file, the line under `hung` in the store
-(the watchers of other nodes leave it for their own launcher), and the `hung` marker for `trainer.launch`, which
-kills every process of the job on its node at once with SIGKILL (nothing is to be saved, and a stopped rank would
-hold torchrun's teardown for 30 s); then exit code 1. The last published checkpoint is untouched (a save in flight
-never publishes).
+so three periods later): one line in its torchrun error file (on its stderr too without `trainer.launch`, which
+prints it once for the job), the line under `hung` in the store (the watchers of other nodes leave it for their own
+launcher), and the `hung` marker for `trainer.launch`, which kills every process of the job on its node at once
+with SIGKILL (nothing is to be saved, and a stopped rank would hold torchrun's teardown for 30 s); then exit code
+1. The last published checkpoint is untouched (a save in flight never publishes).
 
 The process-group timeout (`[comm]`, plus `COLLECTIVE_MARGIN_S` after the first steps) is the backstop when every
 watcher is hung too: a collective then raises on the ranks still running.
@@ -44,7 +44,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ import torch.distributed as dist
 from torch._dynamo.callback import callback_handler
 
 from core.config import option
-from trainer.launch import HUNG_MARKER, leave_marker, write_error_line
+from trainer.launch import HUNG_MARKER, leave_marker, report_line
 
 __all__ = ["COLLECTIVE_MARGIN_S", "CommSection", "Heartbeat", "set_process_group_timeouts"]
 
@@ -265,10 +264,10 @@ class Heartbeat:
                 return
 
     def _end_job(self, line: str) -> None:
-        """Report a hang: the line on stderr, in the error file, in the store and for the launcher; exit 1."""
+        """Report a hang: the line for the launcher (on stderr without one), in the store for the other nodes' watchers;
+        exit 1."""
         logging.shutdown()
-        print(line, flush=True, file=sys.stderr)
-        write_error_line(line)
+        report_line(line)
         try:
             self.store.set(_HUNG_KEY, f"{self.rank} {line}")
         except Exception:
