@@ -145,7 +145,8 @@ class CheckpointManager:
             if self.cfg.load_step != -1:
                 raise CheckpointError(f"cannot load checkpoint {path}: {problem}")
             first_problem = first_problem or f"checkpoint {path} {problem}"
-            skipped.append((int(os.path.basename(path).removeprefix("step-")), f"{os.path.basename(path)} ({problem})"))
+            name = os.path.basename(path)
+            skipped.append((int(name.removeprefix("step-")), f"{name} ({problem})"))
         if chosen is None and first_problem is not None:
             raise CheckpointError(f"{first_problem}, and no older checkpoint in {self.folder} is intact")
         line = skipped_line(skipped, self.folder, chosen)
@@ -181,13 +182,12 @@ class CheckpointManager:
         """At start: warn (rank 0) when the checkpoint folder's disk cannot hold a save. A resumed run knows the
         size of its saves; a fresh one has no optimizer state yet (it appears at the first step), so only its
         weights are counted, a lower bound."""
-        optimizer_state = all(opt.state for opt in self.states["optimizer"].optimizers)
-        needed = self._save_bytes(self.states) if resumed and optimizer_state else \
-            self._total_bytes(state_bytes({"model": self.model}))
+        known = resumed and all(opt.state for opt in self.states["optimizer"].optimizers)
+        needed = self._save_bytes(self.states) if known else self._total_bytes(state_bytes({"model": self.model}))
         free = free_bytes(self.folder)
         if self.rank == 0 and free < needed:
-            what = "a checkpoint of this run needs" if resumed and optimizer_state else \
-                "a checkpoint needs more than the model's weights alone,"
+            what = ("a checkpoint of this run needs" if known else
+                    "a checkpoint needs more than the model's weights alone,")
             logger.warning("checkpoint: %s has %s free; %s %s: the saves will fail (free space, or set "
                            "job.dump_folder or checkpoint.folder to a larger disk)", self.folder, size_text(free),
                            what, size_text(needed))
