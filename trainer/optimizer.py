@@ -178,10 +178,11 @@ class BF16MomentsAdamW(torch.optim.AdamW):
     (``adamw_tensor_step``): the update is torch's AdamW with float32 state but for that rounding. Kernels, by
     ``implementation``:
 
-    * ``fused``: one tensor at a time. On CUDA ``adamw_tensor_step`` compiled with torch.compile (1-D views,
+    * ``fused``: one tensor at a time. On CUDA ``skippable_tensor_step`` compiled with torch.compile (1-D views,
       dynamic shapes, lr, step and ``found_inf`` as device tensors: one graph for every tensor and step), one fused
-      kernel that reads and writes 20 bytes per parameter, as torchao's low-bit optimizers do. Elsewhere (CPU) the
-      same function runs eagerly, like ``for-loop``: its float32 copies of one tensor's moments are the transient.
+      kernel that reads and writes 20 bytes per parameter, as torchao's low-bit optimizers do. Elsewhere (CPU)
+      ``adamw_tensor_step`` runs eagerly, like ``for-loop``: its float32 copies of one tensor's moments are the
+      transient.
       Like torch's fused AdamW it takes ``found_inf`` (set as an attribute, as GradScaler and the trainer do): a
       nonzero value skips the step, on CUDA inside the kernel, elsewhere read on the host. ``grad_scale`` (an
       unscaled GradScaler step) is refused: bfloat16 training needs no loss scaling.
