@@ -58,10 +58,11 @@ said otherwise:
   mfu_recipe          with an FP8 recipe (else null): tokens_per_s x (fp8_flops_per_token / FP8 peak + the other
                       FLOPs per token / peak_tflops) / 1e12, the share of a second that a second's tokens would take
                       at the measured peaks, their FP8 GEMMs at the float8_e4m3fn one; null if fp8_flops_per_token
-                      is. The emulation (blockwise linears and both recipes' grouped experts, `quantization/fp8/`)
-                      multiplies the dequantised operands in the compute dtype, on CUDA too: for it mfu says how far
-                      the step is from what the emulation can run at, mfu_recipe how far from an FP8 machine's
-                      limit. Only torchao's rowwise linears run `torch._scaled_mm` itself
+                      is. Which kernel runs each FP8 GEMM is `quantization/fp8/kernels.py`'s choice, logged at
+                      start: on sm90 real FP8 kernels (scaled_mm, _scaled_grouped_mm, per-expert scaled_mm or
+                      DeepGEMM); elsewhere the emulation, which multiplies the dequantised operands in the compute
+                      dtype: for it mfu says how far the step is from what the emulation can run at, mfu_recipe how
+                      far from an FP8 machine's limit
   peak_memory_bytes   the highest per-step peak of tensor memory over the timed steps: the trainer's exact tracker
                       (parameters, gradients, optimizer state, activations) when it is exact, else on CUDA the
                       caching allocator's peak allocated bytes; null on CPU without the exact tracker
@@ -133,8 +134,9 @@ SMOKE_CONFIG = ["--job.config_file", "train_configs/debug_model.toml", "--traini
 SMOKE_ARGS = dict(n_layers=2, dim=64, inter_dim=128, moe_inter_dim=32, n_heads=2, kv_lora_rank=16,
                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")
-# _scaled_mm: the rowwise recipe's linears (torchao)
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::_grouped_mm", "aten::_scaled_mm"}
+# the FP8 recipes' real kernels (quantization/fp8/scaled_gemms.py, torchao's rowwise linears) count as matmuls
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::_grouped_mm", "aten::_scaled_mm", "aten::_scaled_mm_v2",
+              "aten::_scaled_grouped_mm"}
 # the model's only bmm is SDPA's math path (q.k^T and p.v, forward and backward)
 ATTENTION_OPS = {"aten::bmm", "aten::_softmax", "aten::_safe_softmax", "aten::_softmax_backward_data",
                  "aten::_scaled_dot_product_flash_attention_for_cpu",
