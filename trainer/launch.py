@@ -319,7 +319,8 @@ def _noting_restarts(watch: _Watch):
 
     def monitored(agent, worker_group):
         result = monitor(agent, worker_group)
-        left, most = agent._remaining_restarts, worker_group.spec.max_restarts
+        # a private attribute (torch 2.13): without it the restart goes on, only unannounced
+        left, most = getattr(agent, "_remaining_restarts", 0), worker_group.spec.max_restarts
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures and left > 0:
             watch.restarting(result.failures, most - left + 1, most)
         return result
