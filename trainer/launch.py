@@ -315,7 +315,10 @@ def _noting_restarts(watch: _Watch):
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    monitor = LocalElasticAgent._monitor_workers
+    monitor = getattr(LocalElasticAgent, "_monitor_workers", None)
+    if monitor is None:  # private (torch 2.13): a release without it restarts unannounced
+        yield
+        return
 
     def monitored(agent, worker_group):
         result = monitor(agent, worker_group)
