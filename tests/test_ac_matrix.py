@@ -5,7 +5,7 @@ The matrix (generated below, one launch per world size, the model built once per
     layouts   1 process, fsdp2, fsdp2 x ep2, fsdp4 x ep2, fsdp4 x ep4, hsdp 2x2 x ep2, pp2 x fsdp2, pp2 x fsdp2 x ep2,
               pp2 x fsdp4 x ep2 (8 ranks); context parallel: cp2, cp2 x fsdp2 x ep2 (EP borrows from the
               dp_shard x cp ranks), pp2 x cp2
-    AC        none, selective (per-op, default save_ops), full
+    AC        none, selective (per-op, default save_ops), full, budget (a choice per layer: see `budget_args`)
     backends  alltoall; and the DeepEP stand-in where EP > 1
 
 Each cell trains 2 steps of a small model (fp32, deterministic) on the same global batch of 8 x 16 tokens and
@@ -18,16 +18,21 @@ modes on fsdp4 x ep2 is in tests/test_compile.py. ZBVZeroBubble and DualPipeV re
 (tests/test_bad_inputs.py).
 
 Time on the 2-core development machine (torch 2.13.0+cpu, 2026-11-25): about 4 min for the whole file (the 4-rank
-launch about 150 s, the 8-rank one about 60 s, the 2-rank one 20 s, the one-process references 4 s).
+launch about 150 s, the 8-rank one about 60 s, the 2-rank one 20 s, the one-process references 4 s), before the
+budget cells.
 """
 
+import functools
 import itertools
 
 import pytest
 from dist_utils import launch as _launch
 from small_models import SMALL, hf_config_file
 
+from parallelisms.activation_checkpoint.budget import parse_per_layer
 from trainer.job_config import load_config
+from trainer.tools.plan import DEFAULT_ROUTING_SKEW, Layout, evaluate, resolve_ac_budget
+from trainer.tools.step_time import Hardware
 from trainer.train import run
 
 # SMALL (tests/small_models.py): the FSDP/EP traffic that dominates a step on gloo ranks is a tenth of the debug
@@ -41,8 +46,10 @@ AC = {
     "none": [],
     "selective": ["--activation_checkpoint.mode", "selective"],
     "full": ["--activation_checkpoint.mode", "full"],
+    "budget": None,  # per layout: `budget_args`
 }
 DEEPEP = ["--parallelism.expert_parallel_comm_backend", "deepep"]
+ONE_PROCESS = ["--training.local_batch_size", "8"]
 BF16 = ["--training.dtype", "bfloat16"]
 FP8 = ["--fp8.recipe", "blockwise", "--training.local_batch_size", "1"]
 
@@ -77,15 +84,40 @@ LAYOUTS = {
 }
 
 
+def _planned_peak_gib(ranks: int, cfg) -> float:
+    """The planner's worst-rank peak of a cell's config (the routing skew a launch plans AC mode budget with)."""
+    return evaluate(cfg, Layout.of_config(cfg, ranks), ranks, "cpu", DEFAULT_ROUTING_SKEW, Hardware(), {})[
+        "predicted_peak_gib"]
+
+
+@functools.cache
+def _budget(ranks: int, args: tuple[str, ...]) -> tuple[str, ...]:
+    none, full = (_planned_peak_gib(ranks, load_config([*BASE, *args, "--activation_checkpoint.mode", mode]))
+                  for mode in ("none", "full"))
+    if none > full * 1.001:
+        return "--activation_checkpoint.memory_budget_gib", repr((none + full) / 2)
+    # the plan's peak does not depend on AC here (a pipeline stage's peak is its gradients' reduce-scatter at these
+    # sizes): a mixed choice given per layer, as a printed config would give it
+    exchange = "deepep_dispatch+deepep_combine" if "deepep" in args else "all_to_all"
+    return "--activation_checkpoint.per_layer", f"0=full,1=mm+grouped_mm+{exchange},2=none"
+
+
+def budget_args(ranks: int, args: list[str]) -> list[str]:
+    """AC mode budget for the cell of `args` on `ranks`: a budget halfway between the planned peaks of full AC and of
+    none (worst rank, the planner's routing skew), so that the choice mixes modes
+    (`test_budget_cells_mix_their_choices`); where AC does not move the planned peak, a mixed choice per layer."""
+    return ["--activation_checkpoint.mode", "budget", *_budget(ranks, tuple(args))]
+
+
 def matrix_jobs(nproc: int) -> dict[str, list[str]]:
     """The matrix cells that run on `nproc` ranks: `<layout>/<ac>/<backend>` -> config args."""
     jobs = {}
     for (layout, (ranks, args, ep)), ac in itertools.product(LAYOUTS.items(), AC):
         if ranks != nproc:
             continue
-        jobs[f"{layout}/{ac}/alltoall"] = args + AC[ac]
-        if ep > 1:
-            jobs[f"{layout}/{ac}/deepep"] = args + AC[ac] + DEEPEP
+        for backend in ("alltoall", "deepep") if ep > 1 else ("alltoall",):
+            cell = args + (DEEPEP if backend == "deepep" else [])
+            jobs[f"{layout}/{ac}/{backend}"] = cell + (budget_args(ranks, cell) if ac == "budget" else AC[ac])
     return jobs
 
 
@@ -128,7 +160,8 @@ def references(module_tmp_path):
     The bf16 and FP8 cells of every AC mode are held against those: a recompute replays the same ops on the same
     inputs, so one process gives the same numbers in every AC mode (`test_one_process_ac_modes_agree`, bit for
     bit)."""
-    refs = {ac: _history(args, module_tmp_path / f"ref_{ac}") for ac, args in AC.items()}
+    refs = {ac: _history(args if args is not None else budget_args(1, ONE_PROCESS), module_tmp_path / f"ref_{ac}")
+            for ac, args in AC.items()}
     refs["bf16"] = _history(BF16, module_tmp_path / "ref_bf16")
     refs["fp8"] = _history(FP8, module_tmp_path / "ref_fp8")
     return refs
@@ -173,7 +206,7 @@ def assert_cells_match(results: dict, references: dict) -> None:
 def test_one_process_ac_modes_agree(references):
     """The "1 process" row: AC changes what is kept, never the numbers (a recompute replays the same ops on the
     same inputs): the same losses and grad norms, bit for bit."""
-    for ac in ("selective", "full"):
+    for ac in ("selective", "full", "budget"):
         for key in ("loss", "grad_norm"):
             assert [h[key] for h in references[ac]] == [h[key] for h in references["none"]], (ac, key)
 
@@ -181,22 +214,38 @@ def test_one_process_ac_modes_agree(references):
 @pytest.mark.slow
 def test_two_ranks_matrix(tmp_path, references):
     jobs = matrix_jobs(2)
-    assert len(jobs) == 3 + 3 * 2 + 3
+    assert len(jobs) == 4 + 4 * 2 + 4
     assert_cells_match(launch(2, jobs, tmp_path), references)
 
 
 @pytest.mark.slow
 def test_four_ranks_matrix_and_sharded_experts(tmp_path, references):
     jobs = matrix_jobs(4) | sharded_experts_jobs(4)
-    assert len(jobs) == 5 * 3 * 2 + 2 * 3 + 2 * 3
+    assert len(jobs) == 5 * 4 * 2 + 2 * 4 + 2 * 3
     assert_cells_match(launch(4, jobs, tmp_path), references)
 
 
 @pytest.mark.slow
 def test_eight_ranks_pipeline_with_sharded_experts(tmp_path, references):
     jobs = matrix_jobs(8) | sharded_experts_jobs(8)
-    assert len(jobs) == 3 * 2 + 2 * 2 + 1
+    assert len(jobs) == 4 * 2 + 2 * 2 + 1
     assert_cells_match(launch(8, jobs, tmp_path), references)
+
+
+def test_budget_cells_mix_their_choices():
+    """Every budget cell (and the one-process reference) runs a choice that mixes modes: at least two different
+    choices over its 3 layers, as the launch resolves it (`resolve_ac_budget`); and a budget halfway between full's
+    and none's planned peaks plans a peak within it."""
+    cells = {name: (LAYOUTS[name.split("/")[0]][0], args) for nproc in (2, 4, 8)
+             for name, args in matrix_jobs(nproc).items() if "/budget/" in name}
+    cells["one_process"] = (1, ONE_PROCESS + budget_args(1, ONE_PROCESS))
+    assert len(cells) == 7 * 2 + 4 + 1  # 7 layouts with EP (both backends), 4 without, one process
+    for name, (ranks, args) in cells.items():
+        cfg, lines = resolve_ac_budget(load_config(BASE + args), ranks, 64.0, "cpu")
+        choices = parse_per_layer(cfg.activation_checkpoint.per_layer)
+        assert sorted(choices) == [0, 1, 2] and len(set(choices.values())) >= 2, (name, lines)
+        if "--activation_checkpoint.memory_budget_gib" in args:
+            assert _planned_peak_gib(ranks, cfg) <= cfg.activation_checkpoint.memory_budget_gib, name
 
 
 def test_mission_layout_dry_run_with_deepep_and_selective_ac():

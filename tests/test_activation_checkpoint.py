@@ -92,6 +92,8 @@ CONFIGS = {
     "op_force_router": ac(mode="selective", force_recompute_modules=["moe.router"]),
     **{f"megatron_{name}": ac(mode="selective", recompute_modules=[name]) for name in RECOMPUTE_MODULES},
     "megatron_all": ac(mode="selective", recompute_modules=list(RECOMPUTE_MODULES)),
+    # mode budget applies each block's own entry (the dense block full, one MoE block per op, one without AC)
+    "budget_mixed": ac(mode="budget", per_layer=["0=full", "1=mm+grouped_mm", "2=none"]),
 }
 
 
@@ -309,6 +311,10 @@ def test_validate_job_names_the_key_and_the_valid_names(key, value, valid):
     (dict(mode="selective", layer_freq=3), "layer_freq"),
     (dict(mode="full", granularity="layer"), "granularity"),
     (dict(early_stop=True), "early_stop"),
+    (dict(mode="full", memory_budget_gib=0.5), "memory_budget_gib"),
+    (dict(mode="selective", per_layer=["0=full"]), "per_layer"),
+    (dict(mode="budget", save_ops=["mm"]), "save_ops"),
+    (dict(mode="budget", granularity="layer"), "granularity"),
 ])
 def test_settings_the_mode_never_reads_are_rejected(overrides, key):
     cfg = JobConfig()
@@ -324,12 +330,46 @@ def test_settings_the_mode_never_reads_are_rejected(overrides, key):
     dict(), dict(mode="full"), dict(mode="full", early_stop=True), dict(mode="selective", granularity="layer"),
     dict(mode="selective", granularity="layer", layer_freq=3), dict(mode="selective", save_ops=["mm"],
                                                                      force_recompute_modules=[], early_stop=True),
+    dict(mode="budget", memory_budget_gib=0.5, force_recompute_modules=[], early_stop=True),
+    dict(mode="budget", per_layer=["0=none", "1=full", " 2 = mm+all_to_all+topk "]),
 ])
 def test_settings_the_mode_reads_are_accepted(overrides):
     cfg = JobConfig()
     for name, value in overrides.items():
         setattr(cfg.activation_checkpoint, name, value)
     validate_job(cfg, world_size=1)
+
+
+@pytest.mark.parametrize("per_layer, problem", [
+    (["0:full"], "'0:full' is not layer=choice"),
+    (["0=full", "0=none"], "layer 0 has two entries"),
+    (["0=mm+matmul"], "'matmul' after '=' is neither none, full nor an op name"),
+    (["0="], "no choice after '='"),
+])
+def test_per_layer_entries_that_are_not_layer_equals_choice_are_rejected(per_layer, problem):
+    cfg = JobConfig()
+    cfg.activation_checkpoint.mode = "budget"
+    cfg.activation_checkpoint.per_layer = per_layer
+    with pytest.raises(ConfigError) as err:
+        validate_job(cfg, world_size=1)
+    assert err.value.key == "activation_checkpoint.per_layer"
+    assert problem in err.value.problem and "layer=none, layer=full or layer=op+op" in err.value.allowed
+
+
+def test_budget_gives_each_block_its_own_policy(baseline):
+    """Mode budget applies per_layer block by block: layer 0 (dense) fully checkpointed, layer 1 per op saving
+    mm and grouped_mm (the router gate's mm recomputed all the same: force_recompute_modules), layer 2 untouched;
+    a layer without an entry is an error."""
+    model = build(CONFIGS["budget_mixed"])
+    assert [type(b).__name__ for b in model.layers.values()] == ["CheckpointWrapper", "CheckpointWrapper",
+                                                                   "TransformerBlock"]
+    diff = recomputed(step(model, tokens())[2], baseline[2])
+    # the dense block: q, kv_a, kv_b, o projections, 2 attention bmm, 3 FFN mm; layer 1: its router gate
+    assert diff["mm"] == 6 + 3 + 1
+    assert "grouped_mm" not in diff and diff["topk"] == 1
+    assert diff["softmax"] == 1 + 2  # the dense block's attention; layer 1's attention and router
+    with pytest.raises(ValueError, match=r"per_layer has no entry for layer\(s\) 2"):
+        build(ac(mode="budget", per_layer=["0=full", "1=none"]))
 
 
 def test_apply_ac_leaves_the_settings_of_other_modes_alone():

@@ -366,3 +366,124 @@ def test_fp8_predicted_slower_at_16b_shapes_and_faster_at_671b_shapes():
                                    f"{breakdown['fp8_saved_s'] * 1e3:.1f} ms per step"), note
             assert "FP8 pays from about" in note and "h100_bench_671b.toml" in note, note
         assert fp8_speed_note(cfg, 1, "cpu") is None  # CPU runs emulate every FP8 GEMM: no GPU prediction
+
+
+# ----------------------------------------------------------------------------------------------- AC mode budget
+
+BUDGET_LAYOUTS = {1: [], 4: ["--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2"]}
+
+
+def _planned(cfg, ranks: int) -> dict:
+    """The planner's row of the config's own layout (worst rank, the routing skew a launch plans budget AC with)."""
+    from trainer.tools.plan import DEFAULT_ROUTING_SKEW, evaluate
+
+    return evaluate(cfg, Layout.of_config(cfg, ranks), ranks, "cpu", DEFAULT_ROUTING_SKEW, Hardware(), {})
+
+
+@pytest.mark.parametrize("ranks", sorted(BUDGET_LAYOUTS))
+def test_budget_choice_goes_from_full_to_none_as_the_budget_grows(ranks):
+    """AC mode budget as a launch resolves it (`resolve_ac_budget`), on 1 rank and FSDP 4 x EP 4 (debug model): at
+    full AC's planned peak the choice plans that peak and recomputes no longer than full AC; at none's it is none on
+    every block; in between its planned peak is within the budget and its predicted recompute time falls as the
+    budget grows (and mixes modes); below full's peak it is refused, naming the smallest budget that fits."""
+    from trainer.tools.plan import resolve_ac_budget
+
+    base = DEBUG + BUDGET_LAYOUTS[ranks]
+    fixed = {mode: _planned(load_config(base + ["--activation_checkpoint.mode", mode]), ranks) for mode in
+             ("none", "full")}
+    low, high = fixed["full"]["predicted_peak_gib"], fixed["none"]["predicted_peak_gib"]
+    recompute = []
+    for fraction in (0, 0.2, 0.4, 0.6, 0.8, 1):
+        budget = low + fraction * (high - low)
+        cfg, lines = resolve_ac_budget(load_config(base + ["--activation_checkpoint.mode", "budget",
+                                                           "--activation_checkpoint.memory_budget_gib",
+                                                           repr(budget)]), ranks, 80.0, "cpu")
+        row = _planned(cfg, ranks)
+        assert row["predicted_peak_gib"] <= budget, (fraction, lines)
+        choices = {entry.partition("=")[2] for entry in cfg.activation_checkpoint.per_layer}
+        recompute.append(row["step_breakdown_s"]["recompute_s"])
+        if fraction == 0:
+            assert row["predicted_peak_gib"] == pytest.approx(low, rel=1e-9)
+            assert recompute[-1] <= fixed["full"]["step_breakdown_s"]["recompute_s"]
+        elif fraction == 1:
+            assert choices == {"none"} and recompute[-1] == 0
+        else:
+            assert len(choices) > 1, lines
+        assert lines[0].startswith(f"activation_checkpoint.mode = budget: {budget:.3f} GiB per rank; planned peak")
+        assert len(lines) == 1 + 6 and lines[1].startswith("  layer 0: ")
+    assert recompute == sorted(recompute, reverse=True) and recompute[0] > recompute[-1]
+    with pytest.raises(ConfigError) as err:
+        resolve_ac_budget(load_config(base + ["--activation_checkpoint.mode", "budget",
+                                              "--activation_checkpoint.memory_budget_gib", repr(low * 0.99)]),
+                          ranks, 80.0, "cpu")
+    assert err.value.key == "activation_checkpoint.memory_budget_gib"
+    assert err.value.allowed.startswith(f">= {low + 0.0005:.3f} GiB") or err.value.allowed.startswith(
+        f">= {low:.3f} GiB"), err.value.allowed
+
+
+def test_budget_choice_is_the_plans_optimum():
+    """The choice (`choose_ac`) recomputes no longer than the exact optimum of the plan over every option of every
+    block (benchmarks/ac_budget.py's branch and bound, without the solver's 1% tolerance) allows for that tolerance,
+    on the small model with 1 rank and with FSDP 2 x EP 2."""
+    from small_models import SMALL, hf_config_file
+
+    from benchmarks.ac_budget import exact_choice
+    from trainer.tools.memory_plan import choose_ac
+    from trainer.tools.plan import DEFAULT_ROUTING_SKEW
+
+    small = DEBUG + ["--model.hf_config_path", hf_config_file(SMALL), "--training.seq_len", "128"]
+    for ranks, extra in ((1, ["--training.local_batch_size", "4"]),
+                         (2, ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"])):
+        full, none = (_planned(load_config(small + extra + ["--activation_checkpoint.mode", m]), ranks)
+                      for m in ("full", "none"))
+        low, high = full["predicted_peak_gib"], none["predicted_peak_gib"]
+        cfg = load_config(small + extra + ["--activation_checkpoint.mode", "budget"])
+        dims = validate_job(cfg, ranks)
+        for fraction in (0.25, 0.5, 0.75):
+            budget = int((low + fraction * (high - low)) * GiB)
+            chosen = choose_ac(cfg, dims, "cpu", DEFAULT_ROUTING_SKEW, budget)
+            assert chosen.fits and chosen.exact and chosen.peak <= budget
+            optimum, better = exact_choice(cfg, ranks, budget, chosen.seconds * (1 + 1e-9) + 1e-15)
+            # each block may pay up to 1% of its full AC recompute for the tolerance
+            slack = 0.01 * full["step_breakdown_s"]["recompute_s"]
+            assert better is None or chosen.seconds <= optimum + slack, (ranks, fraction, chosen, better)
+
+
+def test_planner_ranks_a_budget_mix_above_full_ac_where_no_ac_does_not_fit():
+    """On 4 ranks of 0.42 GiB (0.38 usable) many of the debug model's layouts fit with full AC but not without; for
+    those the planner lists budget AC rows that fit, mix modes and recompute less than full AC (so step no slower:
+    faster where compute, not FSDP's traffic, bounds the step, and then ranked above full); `parallelism.auto`
+    applies a chosen budget row with its choice per layer, and the trainer accepts it."""
+    from trainer.tools.plan import choose_layout
+
+    cfg = load_config(DEBUG)
+    result = plan_layouts(cfg, 4, 0.42, device="cpu")
+    rows = {Layout.of_row(r): r for r in result["layouts"]}
+    budget = [r for r in result["layouts"] if r["ac"] == "budget" and r["fits"]]
+    assert len(budget) > 5
+    faster = 0
+    for row in budget:
+        full = rows[dataclasses.replace(Layout.of_row(row), ac="full")]
+        assert full["fits"] and not rows[dataclasses.replace(Layout.of_row(row), ac="none")]["fits"]
+        assert row["step_breakdown_s"]["recompute_s"] < full["step_breakdown_s"]["recompute_s"]
+        assert row["predicted_step_s"] <= full["predicted_step_s"]
+        if row["predicted_step_s"] < full["predicted_step_s"]:
+            faster += 1
+            assert result["layouts"].index(row) < result["layouts"].index(full)
+        assert len({entry.partition("=")[2] for entry in row["per_layer"]}) > 1
+        assert row["settings"]["activation_checkpoint.per_layer"] == ",".join(row["per_layer"])
+    assert faster
+    chosen, line = choose_layout(cfg, 4, 0.42, "cpu")
+    validate_job(chosen, 4)
+    if chosen.activation_checkpoint.mode == "budget":
+        assert chosen.activation_checkpoint.per_layer and "ac=budget" in line
+
+
+def test_a_budget_full_ac_cannot_meet_is_one_line_and_exit_2():
+    r = subprocess.run([sys.executable, "-m", "trainer.preflight", *DEBUG, "--activation_checkpoint.mode", "budget",
+                        "--activation_checkpoint.memory_budget_gib", "0.1"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("config error: activation_checkpoint.memory_budget_gib: 0.1 GiB is below the smallest "
+                               "planned peak") and "allowed: >= 0." in lines[0], lines

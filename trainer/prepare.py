@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from core.config import ConfigError
+from core.config import ConfigError, config_to_toml
 from core.model_spec import ModelSpec
 from parallelisms.activation_checkpoint.config import save_ops_warning
 from parallelisms.parallel_dims import ParallelDims
@@ -26,7 +26,7 @@ from trainer.data.loader import PackedDataLoader
 from trainer.job_config import JobConfig, model_job, validate_job
 from trainer.registry import available_models, get_model_spec
 from trainer.tokenizer import Tokenizer, build_tokenizer
-from trainer.tools.plan import check_model, choose_layout
+from trainer.tools.plan import check_model, choose_layout, resolve_ac_budget
 
 __all__ = ["Prepared", "prepare", "warn_settings_without_effect"]
 
@@ -47,12 +47,18 @@ class Prepared:
     checkpoint_note: str | None = None  # what a partial checkpoint load skips, logged once by rank 0
     auto_layout: str | None = None  # the layout `parallelism.auto` chose, in one line
     batch_note: str | None = None  # a resume keeps its checkpoint's global batch: the line that says so
+    ac_budget: list[str] | None = None  # AC mode budget: the budget, planned peak and choice per layer, as lines
+
+    def config_text(self) -> str:
+        """The merged config as TOML, with AC mode budget's choice explained in comments at its end."""
+        return config_to_toml(self.cfg) + "".join(f"# {line}\n" for line in self.ac_budget or [])
 
 
 def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
     """Validate the job against the world size and build the host-side pieces; raise ConfigError on bad input.
     With `parallelism.auto` the layout planner chooses the layout first (`Prepared.cfg` holds it): every rank
-    chooses the same, from the same config and memory."""
+    chooses the same, from the same config and memory. With `activation_checkpoint.mode = "budget"` the choice per
+    layer is made here too (`resolve_ac_budget`), and `Prepared.cfg` holds it in `per_layer`."""
     auto_layout = None
     own_config = _hf_checkpoint_config(cfg)
     if own_config is not None:
@@ -60,6 +66,9 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
     if cfg.parallelism.auto:
         cfg, auto_layout = _auto_layout(cfg, world_size)
     dims = validate_job(cfg, world_size)
+    ac_budget = None
+    if cfg.activation_checkpoint.mode == "budget":
+        cfg, ac_budget = _ac_budget(cfg, world_size)
     try:
         spec = get_model_spec(cfg.model.name)
     except KeyError:
@@ -92,7 +101,8 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
     train_loader = build_loader(cfg, loader_args, hold_out, validation=False)
     val_loader = build_loader(cfg, loader_args, hold_out, validation=True) if cfg.validation.enable else None
     note = _check_checkpoints(cfg, spec, model_args)
-    return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader, note, auto_layout, batch_note)
+    return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader, note, auto_layout, batch_note,
+                    ac_budget)
 
 
 def _global_batch(cfg: JobConfig, dims: ParallelDims) -> tuple[int, str | None]:
@@ -126,6 +136,14 @@ def _auto_layout(cfg: JobConfig, world_size: int) -> tuple[JobConfig, str]:
     check_model(cfg)
     gib = cfg.parallelism.auto_device_memory_gib or devices.memory_per_rank_bytes(world_size) / 2 ** 30
     return choose_layout(cfg, world_size, gib, devices.device_type())
+
+
+def _ac_budget(cfg: JobConfig, world_size: int) -> tuple[JobConfig, list[str]]:
+    """`cfg` with AC mode budget's choice per layer (`memory_budget_gib`, or 0: this device's memory per rank), and
+    the lines that show it."""
+    check_model(cfg)
+    gib = devices.memory_per_rank_bytes(world_size) / 2 ** 30
+    return resolve_ac_budget(cfg, world_size, gib, devices.device_type())
 
 
 def _hf_checkpoint_config(cfg: JobConfig) -> str | None:

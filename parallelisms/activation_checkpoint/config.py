@@ -1,6 +1,6 @@
 """The `[activation_checkpoint]` section and what can be checked of it before a model exists: names against the op
 table and the model's recompute table, settings the chosen mode would ignore, and save_ops that save nothing on
-this device, dtype and comm backend (a warning, not an error)."""
+this device, dtype and comm backend (a warning, not an error), and the per-layer choice of mode budget as text."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from core.config import option
 from core.names import DEFAULT
+from parallelisms.activation_checkpoint.budget import parse_per_layer
 from parallelisms.moe_comm.registry import COMM_BACKENDS, op_table
 
 __all__ = ["ActivationCheckpointSection", "ac_config_problem", "name_problem", "save_ops_warning"]
@@ -19,8 +20,10 @@ __all__ = ["ActivationCheckpointSection", "ac_config_problem", "name_problem", "
 class ActivationCheckpointSection:
     """Activation checkpointing: what to keep from forward and what to recompute in backward."""
 
-    mode: str = option("none", choices=["none", "full", "selective"])
-    """none keeps all activations, full recomputes whole blocks, selective follows the knobs below."""
+    mode: str = option("none", choices=["none", "full", "selective", "budget"])
+    """none keeps all activations, full recomputes whole blocks, selective follows the knobs below, budget chooses
+    per block before launch (no AC, full, or the ops to save) so that the planned peak fits memory_budget_gib at
+    the least predicted recompute time."""
     granularity: str = option("op", choices=["op", "layer"])
     """With selective mode: op saves the outputs of save_ops and recomputes the rest; layer checkpoints
     every layer_freq-th block fully."""
@@ -36,6 +39,14 @@ class ActivationCheckpointSection:
     even though save_ops names them; "default" = the model's list (DeepSeek-V3: moe.router.gate)."""
     recompute_modules: list[str] = option([])
     """Megatron-style names of submodules to recompute (e.g. core_attn, moe_act, mla_up_proj)."""
+    memory_budget_gib: float = option(0.0, ge=0)
+    """With mode budget: the most a rank may hold at its planned peak, in GiB (the memory plan's worst rank: every
+    pipeline stage, expert rows at the planner's routing skew, the comm backend's buffers); 0 = the device's memory
+    per rank less the layout planner's 10% reserve."""
+    per_layer: list[str] = option([])
+    """With mode budget: the choice per block, one entry per layer: 3=none, 3=full, or 3=mm+grouped_mm (the ops
+    whose outputs are saved; the rest is recomputed). Empty = chosen before launch, and the run's merged config
+    shows the choice; set (e.g. from a printed config) = used as given."""
     early_stop: bool = False
     """Stop recomputation once every needed tensor is rebuilt; off because it leaked memory together with
     EP all-to-all (torchtitan #1467)."""
@@ -58,15 +69,19 @@ def name_problem(ac_cfg, recompute_modules: Mapping[str, object] | None) -> tupl
 
 
 _SELECTIVE_OP = 'mode = "selective" and granularity = "op"'
+_BUDGET = 'mode = "budget"'
 #: The settings that only some modes read: key -> (where it is read, in words; whether (mode, granularity) reads it).
 _READ_ONLY_IN: dict[str, tuple[str, Callable[[str, str], bool]]] = {
     "granularity": ('mode = "selective"', lambda mode, granularity: mode == "selective"),
     "layer_freq": ('mode = "selective" and granularity = "layer"',
                    lambda mode, granularity: (mode, granularity) == ("selective", "layer")),
     "save_ops": (_SELECTIVE_OP, lambda mode, granularity: (mode, granularity) == ("selective", "op")),
-    "force_recompute_modules": (_SELECTIVE_OP, lambda mode, granularity: (mode, granularity) == ("selective", "op")),
+    "force_recompute_modules": (f"{_SELECTIVE_OP}, or {_BUDGET}", lambda mode, granularity: mode == "budget" or (
+        mode, granularity) == ("selective", "op")),
     "recompute_modules": (_SELECTIVE_OP, lambda mode, granularity: (mode, granularity) == ("selective", "op")),
-    "early_stop": ('mode = "full" or "selective"', lambda mode, granularity: mode != "none"),
+    "memory_budget_gib": (_BUDGET, lambda mode, granularity: mode == "budget"),
+    "per_layer": (_BUDGET, lambda mode, granularity: mode == "budget"),
+    "early_stop": ('mode = "full", "selective" or "budget"', lambda mode, granularity: mode != "none"),
 }
 
 
@@ -91,11 +106,18 @@ def ac_config_problem(ac_cfg, recompute_modules: Mapping[str, object] | None,
     `recompute_modules` (None: not checked), that no setting differs from its default where
     the chosen mode would ignore it (save_ops without the selective per-op mode, say), and that recompute_modules
     does not come with a compiled model (`compile_model`): torch.compile cannot trace the hook-based composable
-    checkpoint those names use. Names in force_recompute_modules depend on the model; `apply_ac` looks them up.
+    checkpoint those names use, and the form of the per_layer entries (which layers they must name depends on
+    the model: `trainer.tools.plan.resolve_ac_budget` checks them). Names in force_recompute_modules depend on the
+    model; `apply_ac` looks them up.
     """
     problem = name_problem(ac_cfg, recompute_modules) or _ignored_setting(ac_cfg)
     if problem is not None:
         return problem
+    try:
+        parse_per_layer(ac_cfg.per_layer)
+    except ValueError as e:
+        return ("activation_checkpoint.per_layer", str(e), "entries layer=none, layer=full or layer=op+op with "
+                f"op names from: {', '.join(n for n in op_table().ops if n != 'd2h_copy')}")
     if ac_cfg.recompute_modules and compile_model:
         return ("activation_checkpoint.recompute_modules", "set while the model is compiled (torch.compile cannot "
                 "trace the per-module checkpoints)", "[] with compile, or compile.components without model")

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from core.names import DEFAULT, denotes, resolve
 from core.token_dispatch import TokenDispatcher
+from parallelisms.activation_checkpoint.budget import parse_per_layer
 from parallelisms.activation_checkpoint.config import name_problem
 from parallelisms.activation_checkpoint.ops import OpTable
 from parallelisms.moe_comm.registry import op_table
@@ -298,8 +299,8 @@ def _pass_contexts(policy: _SelectivePolicy) -> tuple[Any, Any]:
 
 def user_force_modules(ac_cfg) -> list[str]:
     """The names in `force_recompute_modules` that the user wrote (not those "default" stands for), where the mode
-    reads the key (selective, per op)."""
-    if (ac_cfg.mode, ac_cfg.granularity) != ("selective", "op"):
+    reads the key (selective per op, budget)."""
+    if (ac_cfg.mode, ac_cfg.granularity) != ("selective", "op") and ac_cfg.mode != "budget":
         return []
     return [name for name in ac_cfg.force_recompute_modules if name != DEFAULT]
 
@@ -373,7 +374,8 @@ def apply_ac(layers: nn.ModuleDict, ac_cfg, recompute_modules: RecomputeTable,
              default_force_recompute: Sequence[str] = ()) -> None:
     """Apply the `[activation_checkpoint]` section `ac_cfg` to the blocks in `layers` (keyed by global layer id)
     in place, with the model's recompute-name table `recompute_modules` and the modules its
-    `force_recompute_modules` "default" stands for (`core.names.ModuleDefaults`).
+    `force_recompute_modules` "default" stands for (`core.names.ModuleDefaults`). Mode budget applies each block's
+    own entry of `per_layer` (chosen before launch, `trainer.tools.plan.resolve_ac_budget`).
 
     Call it after expert parallelism (the dispatcher must be in place) and before compile and FSDP. Blocks become
     `CheckpointWrapper`s: attribute access is forwarded and state_dict keys are unchanged, but
@@ -391,10 +393,9 @@ def apply_ac(layers: nn.ModuleDict, ac_cfg, recompute_modules: RecomputeTable,
                                       "early_stop": ac_cfg.early_stop}
     if ac_cfg.mode == "full":
         for name, block in list(layers.items()):
-            extra = {"context_fn": _keep_routing_metadata} if _syncs_with_host(block) else {}
-            layers[name] = checkpoint_wrapper(block, **wrapper_kwargs, **extra)
+            layers[name] = _full(block, wrapper_kwargs)
         return
-    if ac_cfg.granularity == "layer":
+    if ac_cfg.mode == "selective" and ac_cfg.granularity == "layer":
         for name, block in list(layers.items()):
             # layer ids are global (pipeline stages keep them), so the choice does not depend on the PP split
             if (int(name) + 1) % ac_cfg.layer_freq == 0:
@@ -405,10 +406,22 @@ def apply_ac(layers: nn.ModuleDict, ac_cfg, recompute_modules: RecomputeTable,
     # router); `force_modules_warning` judges the user's names against the whole model once
     force = resolve(ac_cfg.force_recompute_modules, default_force_recompute)
     rules = [ScopeRule(name) for name in force]
+    if ac_cfg.mode == "budget":
+        choices = parse_per_layer(ac_cfg.per_layer)
+        missing = [name for name in layers if int(name) not in choices]
+        if missing:
+            raise ValueError(f"activation_checkpoint.per_layer has no entry for layer(s) {', '.join(missing)} (mode "
+                             "budget is resolved before launch: trainer.tools.plan.resolve_ac_budget)")
+        for name, block in list(layers.items()):
+            choice = choices[int(name)]
+            if choice.mode == "full":
+                layers[name] = _full(block, wrapper_kwargs)
+            elif choice.mode == "op":
+                layers[name] = _selective(block, choice.save_ops, rules, wrapper_kwargs)
+        return
     if not ac_cfg.recompute_modules:
         for name, block in list(layers.items()):
-            policy = _SelectivePolicy(ac_cfg.save_ops, _ScopeTracker(block, "", rules))
-            layers[name] = checkpoint_wrapper(block, context_fn=policy.context_fn(), **wrapper_kwargs)
+            layers[name] = _selective(block, ac_cfg.save_ops, rules, wrapper_kwargs)
         return
 
     rules += [rule for name in ac_cfg.recompute_modules for rule in recompute_modules[name]]
@@ -418,6 +431,19 @@ def apply_ac(layers: nn.ModuleDict, ac_cfg, recompute_modules: RecomputeTable,
             policy = _SelectivePolicy(ac_cfg.save_ops, _ScopeTracker(module, fqn, rules))
             composable_checkpoint(module, context_fn=policy.context_fn(), preserve_rng_state=True,
                                   early_stop=ac_cfg.early_stop)
+
+
+def _full(block: nn.Module, wrapper_kwargs: dict[str, Any]) -> nn.Module:
+    """`block` fully checkpointed (an EP block keeps its routing metadata, `_routing_metadata_policy`)."""
+    extra = {"context_fn": _keep_routing_metadata} if _syncs_with_host(block) else {}
+    return checkpoint_wrapper(block, **wrapper_kwargs, **extra)
+
+
+def _selective(block: nn.Module, save_ops: Sequence[str], rules: Sequence[ScopeRule],
+               wrapper_kwargs: dict[str, Any]) -> nn.Module:
+    """`block` under per-op SAC: the outputs of `save_ops` saved, the ops inside `rules`' modules recomputed."""
+    policy = _SelectivePolicy(save_ops, _ScopeTracker(block, "", rules))
+    return checkpoint_wrapper(block, context_fn=policy.context_fn(), **wrapper_kwargs)
 
 # ----------------------------------------------------------------------------------------------- measurement
 

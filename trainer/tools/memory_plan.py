@@ -31,9 +31,14 @@ the pipeline schedule, FSDP and the optimizer.
 from __future__ import annotations
 
 import json
+import math
 import sys
 
-from parallelisms.moe_comm.registry import COMM_BACKENDS, get_comm_backend, op_table
+from collections.abc import Mapping
+
+from parallelisms.activation_checkpoint.budget import (BudgetResult, LayerChoice, block_options, choose,
+                                                       parse_per_layer, per_layer_entries)
+from parallelisms.moe_comm.registry import get_comm_backend, op_table
 from parallelisms.pipeline import plan_stages
 from core.config import ConfigError, run_with_config_errors
 from trainer.tools.dry_run import compact
@@ -43,13 +48,14 @@ from core.loss import chunk_rows
 from core.memory_types import Item, Shape
 from trainer.optimizer import STATE_DTYPES
 from trainer.registry import get_model_spec
+from trainer.tools.step_time import Hardware, recompute_seconds
 
-__all__ = ["plan", "main"]
+__all__ = ["budget_refusal", "choose_ac", "describe_choices", "plan", "main"]
 
 _F32 = 4
-#: the op-table names of the MoE token exchange (torch's all_to_all and every comm backend's own ops): a selective
-#: policy saving one of them does not run the block's exchanges again in its recompute
-_COMM_OPS = frozenset({"all_to_all"}.union(*(get_comm_backend(n).ac_ops for n in COMM_BACKENDS)))
+GiB = 2 ** 30
+#: the op the model's memory plan labels the MoE token exchange with (`Item.op`), whatever the comm backend
+_EXCHANGE = "all_to_all"
 
 
 COMPILE_NOTE = ("compile.enable: the eager peak, an upper bound for the compiled step (inductor recomputes pointwise "
@@ -61,14 +67,15 @@ _SUMS: dict[tuple, tuple] = {}
 """`_block_sums` by (item list, mode, save_ops): blocks of one kind share their item list."""
 
 
-def _block_sums(items: list[Item], mode: str, save_ops: frozenset[str]) -> tuple[int, int, int, int]:
-    """(kept, recomputed, recompute FLOPs, forward FLOPs) of one block's items under `mode`."""
+def _block_sums(items: list[Item], mode: str, save_ops: frozenset[str]) -> tuple[int, int, int, int, int]:
+    """(kept, recomputed, recompute FLOPs, recomputed elementwise bytes, forward FLOPs) of one block's items under
+    `mode`."""
     key = (id(items), mode, save_ops)
     if key not in _SUMS:
         if len(_SUMS) > 65536:
             _SUMS.clear()
         # the item list kept alive with the entry, so that its id is not reused while the entry exists
-        _SUMS[key] = (items, *_held(items, mode, save_ops), _recompute_flops(items, mode, save_ops),
+        _SUMS[key] = (items, *_held(items, mode, save_ops), *_recompute_work(items, mode, save_ops),
                       sum(i.flops for i in items))
     return _SUMS[key][1:]
 
@@ -86,14 +93,39 @@ def _held(items: list[Item], mode: str, save_ops: set[str]) -> tuple[int, int]:
     return kept, recomputed
 
 
-def _block_modes(cfg, layer_ids: list[int]) -> dict[int, str]:
-    """AC mode per block: none, full or op (per-op selective)."""
+def _exchange_ops(backend) -> tuple[str, ...]:
+    """The op-table names that save the token exchange of comm backend class `backend`."""
+    return (_EXCHANGE,) if backend.uses_all_to_all else tuple(backend.ac_ops)
+
+
+def _plan_ops(names, backend) -> frozenset[str]:
+    """Op-table names a policy saves -> the ops the plan's tensors are labelled with that it saves: the exchange
+    when the backend's own exchange ops are saved (and not merely all_to_all, which such a backend never runs);
+    host copies always."""
+    names = set(names)
+    exchange = _EXCHANGE if names & set(_exchange_ops(backend)) else None
+    return frozenset(names - {_EXCHANGE} | {exchange, "d2h_copy"} - {None})
+
+
+def _block_choices(cfg, layer_ids: list[int], per_layer: Mapping[int, LayerChoice] | None = None
+                   ) -> dict[int, tuple[str, frozenset[str]]]:
+    """AC per block: (none, full or op (per-op selective), the plan's ops whose tensors op saves); mode budget reads
+    `per_layer` (default: the config's)."""
     ac = cfg.activation_checkpoint
+    backend = get_comm_backend(cfg.parallelism.expert_parallel_comm_backend)
+    if ac.mode == "budget":
+        chosen = parse_per_layer(ac.per_layer) if per_layer is None else per_layer
+        missing = [str(i) for i in layer_ids if i not in chosen]
+        if missing:
+            raise ConfigError("activation_checkpoint.per_layer", f"has no entry for layer(s) {', '.join(missing)}",
+                              "one entry per layer (empty: chosen before launch)")
+        return {i: (chosen[i].mode, _plan_ops(chosen[i].save_ops, backend)) for i in layer_ids}
     if ac.mode == "selective" and ac.granularity == "layer":
-        return {i: "full" if (i + 1) % ac.layer_freq == 0 else "none" for i in layer_ids}
+        return {i: ("full" if (i + 1) % ac.layer_freq == 0 else "none", frozenset()) for i in layer_ids}
     if ac.mode == "selective":
-        return {i: "op" for i in layer_ids}
-    return {i: ac.mode for i in layer_ids}
+        save_ops = _plan_ops(op_table().save_ops(ac.save_ops), backend)
+        return {i: ("op", save_ops) for i in layer_ids}
+    return {i: (ac.mode, frozenset()) for i in layer_ids}
 
 
 def _optimizer_transient(cfg, param_bytes: int, largest_local_param: int, device: str) -> int:
@@ -144,23 +176,26 @@ def _stage_names(spec, args, dims, pp_rank: int, par) -> tuple[list[str], list[s
     return _SPLITS[key][1:]
 
 
-def _recompute_flops(items: list[Item], mode: str, save_ops: set[str]) -> int:
-    """Forward FLOPs the backward runs again: the whole block (full) or the ops the policy does not save (op)."""
+#: ops of the plan's tensors that communicate: the step-time model counts their recompute as communication
+_COMMUNICATING = frozenset({_EXCHANGE, "all_gather"})
+
+
+def _recompute_work(items: list[Item], mode: str, save_ops: set[str]) -> tuple[int, int]:
+    """(forward FLOPs, bytes of elementwise outputs) the backward runs again: the whole block (full) or the ops the
+    policy does not save (op). Elementwise: tensors made without FLOPs that do not communicate."""
     if mode == "none":
-        return 0
-    if mode == "full":
-        return sum(i.flops for i in items)
-    return sum(i.flops for i in items if i.op not in save_ops)
+        return 0, 0
+    again = [i for i in items if i.op != "input" and (mode == "full" or i.op not in save_ops)]
+    return (sum(i.flops for i in again),
+            sum(i.nbytes for i in again if not i.flops and i.op not in _COMMUNICATING))
 
 
-def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.0, args=None) -> dict:
-    """The memory plan of the first rank of pipeline stage `pp_rank` (ranks of one stage hold equal shares), for
-    the resolved degrees `dims` (`validate_job`), expert rows at `skew` times the balanced mean; `args`: the model
-    args, when the caller has built them. Analytic: no process group, no model (its parameter shapes aside)."""
+def _rank_stage(cfg, dims, pp_rank: int, device: str, skew: float, args):
+    """(the model part of the first rank of stage `pp_rank`, its microbatch shape, its stages' units compacted for
+    printing, FSDP's gather bytes per element)."""
     spec = get_model_spec(cfg.model.name)
     if spec.tools.memory_plan is None:
         raise ConfigError("model.name", f"model {cfg.model.name!r} has no memory plan")
-    args = spec.build_args(model_job(cfg)) if args is None else args
     bf16 = cfg.training.dtype == "bfloat16"
     a = 2 if bf16 else 4
     par = cfg.parallelism
@@ -170,16 +205,30 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
     sh = Shape(B, cfg.training.seq_len // dims.cp, a, device, dims.ep, skew if dims.ep > 1 else 1.0, dims.cp)
     shard = dims.fsdp_shard if dims.sharded else 1
     pbytes = 2 if bf16 and dims.sharded else 4  # FSDP gathers in param_dtype
-    stage = _stage_memory(spec, args, cfg, sh, names, pbytes, shard)
+    return _stage_memory(spec, args, cfg, sh, names, pbytes, shard), sh, stages, pbytes
+
+
+def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.0, args=None,
+              per_layer: Mapping[int, LayerChoice] | None = None) -> dict:
+    """The memory plan of the first rank of pipeline stage `pp_rank` (ranks of one stage hold equal shares), for
+    the resolved degrees `dims` (`validate_job`), expert rows at `skew` times the balanced mean; `args`: the model
+    args, when the caller has built them; `per_layer`: with AC mode budget, the choice per layer (default: the
+    config's `per_layer`). Analytic: no process group, no model (its parameter shapes aside)."""
+    args = get_model_spec(cfg.model.name).build_args(model_job(cfg)) if args is None else args
+    stage, sh, stages, pbytes = _rank_stage(cfg, dims, pp_rank, device, skew, args)
+    bf16 = cfg.training.dtype == "bfloat16"
+    a = 2 if bf16 else 4
+    par = cfg.parallelism
+    B = sh.B
     first, last = stage.first, stage.last
     layer_ids = [b.layer for b in stage.blocks]
     ac = cfg.activation_checkpoint
-    save_ops = frozenset(op_table().save_ops(ac.save_ops)) | {"d2h_copy"}
-    modes = _block_modes(cfg, layer_ids)
+    choices = _block_choices(cfg, layer_ids, per_layer)
     notes = []
     if ac.recompute_modules:
         notes.append("recompute_modules is not modelled: estimated as mode none (an upper bound)")
-        modes = {i: "none" for i in layer_ids}
+        choices = {i: ("none", frozenset()) for i in layer_ids}
+    modes = {i: mode for i, (mode, _) in choices.items()}
     if sh.skew != 1.0:
         notes.append(f"routing skew {sh.skew:g}: this EP rank's experts receive {sh.skew:g} x the mean rows")
     if cfg.compile.enable:
@@ -188,10 +237,11 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
     params = stage.param_numel * 4
     # per-block activations and backward working sets
     blocks = []
-    recompute = forward_flops = 0
+    recompute = recompute_bytes = forward_flops = 0
     for b in stage.blocks:
-        kept, recomputed, flops, forward = _block_sums(b.items, modes[b.layer], save_ops)
+        kept, recomputed, flops, elementwise, forward = _block_sums(b.items, *choices[b.layer])
         recompute += flops
+        recompute_bytes += elementwise
         forward_flops += forward
         blocks.append(dict(layer=b.layer, mode=modes[b.layer], kept=kept, recomputed=recomputed,
                            ffn_saved=b.ffn_saved, attn_ws=b.attn_ws, ffn_ws=b.ffn_ws, unit=b.unit_bytes,
@@ -310,13 +360,17 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
     backend = get_comm_backend(par.expert_parallel_comm_backend)
     hidden = stage.hidden_bytes // (sh.T * a)
     comm_buffers = backend.planned_buffer_bytes(hidden * max(a, 2), dims.ep) if dims.ep_enabled else 0
-    work = {"forward_flops": forward_flops, "recompute_flops": recompute, "microbatches": n_micro,
-            "stages_per_rank": len(stages), "a2a_bytes": sum(b.a2a_bytes for b in stage.blocks),
-            "a2a_recomputed_bytes": sum(b.a2a_bytes for b in stage.blocks if modes[b.layer] == "full" or (
-                modes[b.layer] == "op" and not save_ops & _COMM_OPS)),
+    def again(layer: int, op: str) -> bool:  # whether the backward of block `layer` runs `op`'s tensors again
+        mode, save_ops = choices[layer]
+        return mode == "full" or (mode == "op" and op not in save_ops)
+
+    work = {"forward_flops": forward_flops, "recompute_flops": recompute, "recompute_memory_bytes": recompute_bytes,
+            "microbatches": n_micro, "stages_per_rank": len(stages),
+            "a2a_bytes": sum(b.a2a_bytes for b in stage.blocks),
+            "a2a_recomputed_bytes": sum(b.a2a_bytes for b in stage.blocks if again(b.layer, _EXCHANGE)),
             "cp_bytes": sum(it.nbytes for b in stage.blocks for it in b.items if it.name.startswith("cp.")),
             "cp_recomputed_bytes": sum(it.nbytes for b in stage.blocks for it in b.items
-                                       if it.name.startswith("cp.") and modes[b.layer] == "full"),
+                                       if it.name.startswith("cp.") and again(b.layer, it.op)),
             "fsdp_unit_bytes": units if fsdp else [], "unit_element_bytes": pbytes, "hidden_bytes": stage.hidden_bytes,
             "grad_bytes": grads, "param_count": stage.param_numel, "token_bytes": hidden * max(a, 2),
             # AdamW's traffic per parameter: weights read and written, the gradient read, both moments read and written
@@ -338,19 +392,114 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
     }
 
 
+_OPTIONS: dict[tuple, tuple] = {}
+"""`block_options` by (item list, comm backend, EP and CP degrees, hardware): blocks of one kind share their item
+list, and the layout planner asks for the same ones many times."""
+
+
+def _options(items: list[Item], backend: str, dims, hw: Hardware) -> list:
+    key = (id(items), backend, dims.ep, dims.cp, hw)
+    if key not in _OPTIONS:
+        if len(_OPTIONS) > 4096:
+            _OPTIONS.clear()
+        # the item list kept alive with the entry, so that its id is not reused while the entry exists
+        _OPTIONS[key] = (items, block_options(
+            items, _savable(backend), lambda mode, ops: _held(items, mode, ops | {"d2h_copy"}),
+            lambda item: recompute_seconds(item.op, item.flops, item.nbytes, dims, backend, hw)))
+    return _OPTIONS[key][1]
+
+
+def choose_ac(cfg, dims, device: str, skew: float, budget: int, args=None, hw: Hardware = Hardware(),
+              quick: bool = False) -> BudgetResult:
+    """AC mode budget: the choice per layer of least predicted recompute time (`step_time.recompute_seconds` with
+    `hw`) whose planned peak fits `budget` bytes on every pipeline stage's first rank, comm backend buffers
+    included (`parallelisms.activation_checkpoint.budget.choose`, `quick` as there; `fits` false when even full AC
+    does not)."""
+    args = get_model_spec(cfg.model.name).build_args(model_job(cfg)) if args is None else args
+    backend = cfg.parallelism.expert_parallel_comm_backend
+    stage_layers, options = [], {}
+    for p in range(dims.pp):
+        blocks = _rank_stage(cfg, dims, p, device, skew, args)[0].blocks
+        stage_layers.append([b.layer for b in blocks])
+        options.update({b.layer: _options(b.items, backend, dims, hw) for b in blocks})
+    planned: dict[tuple, int] = {}
+
+    def peak(p: int, choices: Mapping[int, LayerChoice]) -> int:
+        # a stage's plan depends on its own layers' choices only
+        key = (p, *(choices[i] for i in stage_layers[p]))
+        if key not in planned:
+            r = plan_rank(cfg, dims, p, device, skew, args, choices)
+            planned[key] = r["predicted_peak_bytes"] + r["comm_buffer_bytes"]
+        return planned[key]
+
+    return choose(stage_layers, options, peak, budget, quick)
+
+
+def _savable(backend: str) -> dict[str, tuple[str, ...]]:
+    """Each op the plan labels tensors with that a policy can save -> the op-table names that save it with comm
+    backend `backend` (the token exchange: all_to_all, or the backend's own ops)."""
+    names = {op: (op,) for op in op_table().ops if op not in ("d2h_copy", _EXCHANGE)}
+    names[_EXCHANGE] = _exchange_ops(get_comm_backend(backend))
+    return names
+
+
+def describe_choices(cfg, dims, device: str, skew: float, args, choices: Mapping[int, LayerChoice]) -> list[str]:
+    """One line per layer of an AC choice (`choose_ac`): what the block saves and what its backward recomputes."""
+    names = _savable(cfg.parallelism.expert_parallel_comm_backend)
+    lines = []
+    for p in range(dims.pp):
+        for b in _rank_stage(cfg, dims, p, device, skew, args)[0].blocks:
+            choice = choices[b.layer]
+            if choice.mode == "none":
+                what = "no AC: keeps what autograd saves, recomputes nothing"
+            elif choice.mode == "full":
+                what = "full: keeps its input, recomputes everything"
+            else:
+                ops = dict.fromkeys(name for item in b.items if item.op in names for name in names[item.op])
+                again = [op for op in ops if op not in choice.save_ops] + ["the unnamed ops"]
+                what = f"saves {', '.join(choice.save_ops)}; recomputes {', '.join(again)}"
+            lines.append(f"layer {b.layer}: {what}")
+    return lines
+
+
+def budget_refusal(result: BudgetResult, budget_gib: float, skew: float) -> ConfigError:
+    """The one-line refusal of a budget that even full AC on every block cannot meet (`choose_ac`'s `result`)."""
+    # rounded up: a budget of the size named does fit
+    need = math.ceil(result.peak / GiB * 1000) / 1000
+    return ConfigError("activation_checkpoint.memory_budget_gib",
+                       f"{budget_gib:g} GiB is below the smallest planned peak, {result.peak / GiB:.3f} GiB with full "
+                       f"AC on every block (worst rank, expert rows at routing skew {skew:g})",
+                       f">= {need:.3f} GiB, or fewer activations per rank (a smaller batch or more ranks)")
+
+
 def plan(cfg, world_size: int, device: str = "cpu", skew: float = 1.0) -> dict:
-    """The memory plan of every representative rank (the first rank of each pipeline stage)."""
+    """The memory plan of every representative rank (the first rank of each pipeline stage). AC mode budget without
+    `per_layer` is chosen here for `memory_budget_gib` (`choose_ac`); the choice is in `per_layer`."""
     dims = validate_job(cfg, world_size)
     args = get_model_spec(cfg.model.name).build_args(model_job(cfg))
-    ranks = [plan_rank(cfg, dims, p, device, skew, args) for p in range(dims.pp)]
+    ac = cfg.activation_checkpoint
+    choices = None
+    if ac.mode == "budget" and not ac.per_layer:
+        if not ac.memory_budget_gib:
+            raise ConfigError("activation_checkpoint.memory_budget_gib", "0 (the device's memory) is known only at "
+                              "launch", "a number of GiB to plan for")
+        result = choose_ac(cfg, dims, device, skew, int(ac.memory_budget_gib * GiB), args)
+        if not result.fits:
+            raise budget_refusal(result, ac.memory_budget_gib, skew)
+        choices = result.choices
+    ranks = [plan_rank(cfg, dims, p, device, skew, args, choices) for p in range(dims.pp)]
+    per_layer = per_layer_entries(choices) if choices is not None else list(ac.per_layer)
     return {"model": f"{cfg.model.name}/{cfg.model.flavor}", "world_size": world_size, "device": device,
-            "activation_checkpoint": cfg.activation_checkpoint.mode, "routing_skew": skew, "ranks": ranks}
+            "activation_checkpoint": ac.mode, "routing_skew": skew, "ranks": ranks,
+            **({"per_layer": per_layer} if ac.mode == "budget" else {})}
 
 
 def _print(result: dict) -> None:
     gib = 2 ** 30
     print(f"memory plan: {result['model']} on {result['world_size']} ranks ({result['device']}, "
           f"AC {result['activation_checkpoint']})")
+    if "per_layer" in result:
+        print(f"AC per layer: {' '.join(result['per_layer'])}")
     for r in result["ranks"]:
         print(f"rank {r['rank']:>5} {r['coords']}  stages: {'; '.join(r['stages'])}")
         print(f"    params {r['parameter_bytes'] / gib:.3f} GiB  grads {r['gradient_bytes'] / gib:.3f} GiB  "

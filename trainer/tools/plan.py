@@ -5,7 +5,8 @@
 
 For the model, batch and sequence of the config it enumerates the layouts the trainer accepts (the same checks as
 preflight: `validate_job` and the model's own): pipeline degree and schedule, HSDP replicate x shard, expert-parallel
-degree and comm backend, FSDP resharding after forward, activation checkpointing none / selective / full, and the
+degree and comm backend, FSDP resharding after forward, activation checkpointing none / selective / full / budget
+(a choice per layer that fits the usable memory, `choose_ac`; listed where it mixes choices), and the
 FP8 recipes when the config enables FP8. Each gets the memory plan of every pipeline stage's first rank
 (`trainer.tools.memory_plan.plan_rank`, expert rows at the routing skew) plus the comm backend's own buffers, and a
 step time (`trainer.tools.step_time`). Layouts whose worst rank fits `device memory x (1 - reserve)` are ranked by
@@ -18,7 +19,8 @@ when a layout fits, 3 (`NOTHING_FITS`) when none does (the plan is printed all t
 can help), 2 for bad input.
 
 `parallelism.auto = true` runs `choose_layout` in every rank's preflight (`trainer.prepare`): the keys of the
-layout that the TOML or the command line set stay as given; the planner picks the rest.
+layout that the TOML or the command line set stay as given; the planner picks the rest. `activation_checkpoint.mode
+= "budget"` runs `resolve_ac_budget` there: the choice per layer that fits `memory_budget_gib`.
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ from quantization.fp8.config import RECIPES, fp8_selection
 from trainer.device import device_type
 from trainer.job_config import JobConfig, load_command_config, model_job, validate_job
 from trainer.registry import available_models, get_model_spec
-from trainer.tools.memory_plan import plan_rank
+from parallelisms.activation_checkpoint.budget import parse_per_layer, per_layer_entries
+from trainer.tools.memory_plan import budget_refusal, choose_ac, describe_choices, plan_rank
 from trainer.tools.step_time import Hardware, fp8_operands, step_time
 
-__all__ = ["DEFAULT_ROUTING_SKEW", "NOTHING_FITS", "Layout", "choose_layout", "main", "nothing_fits", "plan_layouts"]
+__all__ = ["DEFAULT_ROUTING_SKEW", "NOTHING_FITS", "Layout", "choose_layout", "main", "nothing_fits", "plan_layouts",
+           "resolve_ac_budget"]
 
 GiB = 2 ** 30
 #: Expert rows a rank receives over the balanced mean, assumed unless --routing-skew says otherwise. The debug
@@ -52,7 +56,7 @@ GiB = 2 ** 30
 DEFAULT_ROUTING_SKEW = 1.5
 #: Device memory kept out of the plan: CUDA context, NCCL buffers, the caching allocator's fragmentation.
 DEFAULT_RESERVE = 0.10
-_AC_MODES = ("none", "selective", "full")
+_AC_MODES = ("none", "selective", "full", "budget")
 NOTHING_FITS = 3
 """Exit code of `python -m trainer.plan` when no layout fits (the plan is printed all the same; docs/errors.md)."""
 
@@ -108,6 +112,9 @@ class Layout:
                                   fsdp_reshard_after_forward=self.reshard, context_parallel_degree=self.cp,
                                   auto=False)
         ac = dataclasses.replace(cfg.activation_checkpoint, mode=self.ac)
+        if self.ac != cfg.activation_checkpoint.mode:
+            # the budget and its choice per layer belong to the config's own mode (evaluate chooses per layout)
+            ac = dataclasses.replace(ac, memory_budget_gib=0.0, per_layer=[])
         fp8 = dataclasses.replace(cfg.fp8, recipe=self.fp8)
         return dataclasses.replace(cfg, parallelism=par, activation_checkpoint=ac, fp8=fp8)
 
@@ -202,9 +209,11 @@ def _fp8_fraction(spec, args, cfg: JobConfig) -> float:
 
 
 def evaluate(cfg: JobConfig, layout: Layout, ngpu: int, device: str, skew: float, hw: Hardware,
-             cache: dict) -> dict:
+             cache: dict, budget_gib: float | None = None) -> dict:
     """The worst rank's predicted peak and the step time of `layout`; ConfigError when the trainer would refuse it.
-    `cache` keeps model args and stage plans between the layouts of one planning run."""
+    `cache` keeps model args and stage plans between the layouts of one planning run. With AC mode budget the
+    choice per layer is chosen for `budget_gib` (`choose_ac`; None: the config's `activation_checkpoint.per_layer`)
+    and given as `per_layer` (with `budget_fits`)."""
     job = layout.apply(cfg)
     dims = validate_job(job, ngpu, fields_checked=True)
     spec = get_model_spec(job.model.name)
@@ -218,7 +227,20 @@ def evaluate(cfg: JobConfig, layout: Layout, ngpu: int, device: str, skew: float
     # the replicas' count changes no rank's memory (only whether there is data parallelism at all), the comm
     # backend only its own buffers (added below)
     memory_key = dataclasses.replace(layout, dp_replicate=min(layout.dp_replicate, 2), backend="")
+    budget = {}
     try:
+        if layout.ac == "budget":
+            if budget_gib is not None:
+                # the choice depends on the backend: its op names, its exchange's speed, its buffers
+                key = ("budget", dataclasses.replace(memory_key, backend=layout.backend), budget_gib)
+                if key not in cache:
+                    cache[key] = choose_ac(job, dims, device, skew, int(budget_gib * GiB), args, hw, quick=True)
+                job = dataclasses.replace(job, activation_checkpoint=dataclasses.replace(
+                    job.activation_checkpoint, memory_budget_gib=budget_gib, per_layer=per_layer_entries(
+                        cache[key].choices)))
+                budget["budget_fits"] = cache[key].fits
+            budget["per_layer"] = list(job.activation_checkpoint.per_layer)
+            memory_key = (memory_key, tuple(budget["per_layer"]))
         ranks = []
         for p in range(dims.pp):
             if (memory_key, p) not in cache:
@@ -247,7 +269,15 @@ def evaluate(cfg: JobConfig, layout: Layout, ngpu: int, device: str, skew: float
             "peak_phase": ranks[worst]["peak_phase"],
             "predicted_step_s": slowest["step_s"], "step_breakdown_s": slowest,
             "tokens_per_s_per_gpu": tokens / slowest["step_s"] / ngpu, "layout": layout.describe(),
-            "settings": layout.settings()}
+            "settings": layout.settings() | _budget_settings(job, budget), **budget}
+
+
+def _budget_settings(job: JobConfig, budget: dict) -> dict[str, object]:
+    """The config keys of a budget row's choice, as command-line values (a list as a,b,c)."""
+    if "per_layer" not in budget:
+        return {}
+    return {"activation_checkpoint.memory_budget_gib": job.activation_checkpoint.memory_budget_gib,
+            "activation_checkpoint.per_layer": ",".join(budget["per_layer"])}
 
 
 def plan_layouts(cfg: JobConfig, ngpu: int, memory_gib: float, device: str = "cuda",
@@ -258,18 +288,36 @@ def plan_layouts(cfg: JobConfig, ngpu: int, memory_gib: float, device: str = "cu
     then the rest by peak, each with `fits`; "rejected": one line per refused or non-fitting family; ...}."""
     usable = memory_gib * (1 - reserve)
     check_fields(cfg)  # once: the layouts only set keys to allowed values
-    layouts, refused = [], {}
+    ac = cfg.activation_checkpoint
+    # AC mode budget fits the usable memory, or the config's own budget where it sets a smaller one
+    budget_gib = min(usable, ac.memory_budget_gib) if ac.mode == "budget" and ac.memory_budget_gib else usable
+    fixed = fixed or {}
+    layouts, refused, budgets = [], {}, []
     cache: dict = {}
-    for layout in candidates(cfg, ngpu, fixed):
+
+    def add(layout: Layout) -> None:
         try:
-            row = evaluate(cfg, layout, ngpu, device, skew, hw, cache)
+            row = evaluate(cfg, layout, ngpu, device, skew, hw, cache, budget_gib)
         except ConfigError as e:
             reason = f"{e.key}: {e.problem}"
             refused.setdefault(reason, []).append(layout)
-            continue
-        row["fits"] = row["predicted_peak_gib"] <= usable
+            return
+        if row["ac"] == "budget" and fixed.get("ac") != "budget" and not _mixed(row):
+            return  # the same as the layout with AC none or full
+        row["fits"] = row["predicted_peak_gib"] <= usable and row.get("budget_fits", True)
         row["headroom_gib"] = usable - row["predicted_peak_gib"]
         layouts.append(row)
+
+    for layout in candidates(cfg, ngpu, fixed):
+        if layout.ac == "budget" and fixed.get("ac") != "budget":
+            budgets.append(layout)
+        else:
+            add(layout)
+    # AC mode budget mixes choices only where full AC fits and no AC does not
+    fits = {Layout.of_row(r): r["fits"] for r in layouts}
+    for layout in budgets:
+        if fits.get(dataclasses.replace(layout, ac="full")) and not fits.get(dataclasses.replace(layout, ac="none")):
+            add(layout)
     # layouts differ in their data-parallel degree, hence in tokens per step: rank by throughput
     fitting = sorted((r for r in layouts if r["fits"]),
                      key=lambda r: (-r["tokens_per_s_per_gpu"], r["predicted_peak_gib"]))
@@ -293,6 +341,11 @@ def plan_layouts(cfg: JobConfig, ngpu: int, memory_gib: float, device: str = "cu
             "evaluated": len(layouts), "refused": sum(len(g) for g in refused.values())}
 
 
+def _mixed(row: dict) -> bool:
+    """Whether a budget row's choice fits and is no fixed mode's (not none or full on every block)."""
+    return row["budget_fits"] and {entry.partition("=")[2] for entry in row["per_layer"]} not in ({"none"}, {"full"})
+
+
 def choose_layout(cfg: JobConfig, world_size: int, memory_gib: float, device: str,
                   skew: float = DEFAULT_ROUTING_SKEW) -> tuple[JobConfig, str]:
     """`parallelism.auto`: the fastest fitting layout that keeps the explicitly set layout keys, applied to `cfg`,
@@ -310,7 +363,12 @@ def choose_layout(cfg: JobConfig, world_size: int, memory_gib: float, device: st
     line = (f"parallelism.auto: {best['layout']} (predicted peak {best['predicted_peak_gib']:.2f} of "
             f"{result['usable_gib']:.2f} GiB usable, step {best['predicted_step_s']:.3g} s uncalibrated; "
             f"{len(fits)} of {result['evaluated']} layouts fit)")
-    return layout.apply(cfg), line
+    chosen = layout.apply(cfg)
+    if layout.ac == "budget":
+        chosen = dataclasses.replace(chosen, activation_checkpoint=dataclasses.replace(
+            chosen.activation_checkpoint, memory_budget_gib=best["settings"]["activation_checkpoint.memory_budget_gib"],
+            per_layer=best["per_layer"]))
+    return chosen, line
 
 
 def nothing_fits(result: dict, cfg: JobConfig, fixed: dict[str, object] | None = None) -> tuple[str, str]:
@@ -327,7 +385,7 @@ def nothing_fits(result: dict, cfg: JobConfig, fixed: dict[str, object] | None =
     # rounded up: GPUs of the size named do fit the smallest peak
     need = math.ceil(best["predicted_peak_gib"] / (1 - result["reserve_fraction"]) * 100) / 100
     fixes = [f"more GPUs or GPUs of >= {need:.2f} GiB"]
-    if fixed.get("ac", "full") != "full":
+    if fixed.get("ac", "full") not in ("full", "budget"):  # a budget's choices include full AC on every block
         fixes.append("activation_checkpoint.mode = full")
     tr = cfg.training
     if tr.local_batch_size > 1:
@@ -336,6 +394,39 @@ def nothing_fits(result: dict, cfg: JobConfig, fixed: dict[str, object] | None =
         fixes.append(f"a training.seq_len below {tr.seq_len}")
     return (f"no layout fits {result['usable_gib']:.2f} GiB per rank (keeping {kept}); the smallest peak is "
             f"{best['predicted_peak_gib']:.2f} GiB ({best['layout']})", ", ".join(fixes))
+
+
+def resolve_ac_budget(cfg: JobConfig, world_size: int, memory_gib: float, device: str,
+                      skew: float = DEFAULT_ROUTING_SKEW) -> tuple[JobConfig, list[str]]:
+    """AC mode budget before launch: `cfg` with the choice per layer in `activation_checkpoint.per_layer` (chosen
+    by `choose_ac` when empty) and the budget in `memory_budget_gib` (0: `memory_gib` per rank less the reserve),
+    and the lines that show the choice: the budget, the planned peak, the predicted recompute share of the step,
+    then per layer what is saved and what is recomputed. ConfigError when even full AC on every block cannot meet
+    the budget, or a given `per_layer` plans a peak over it."""
+    ac = cfg.activation_checkpoint
+    budget_gib = ac.memory_budget_gib or memory_gib * (1 - DEFAULT_RESERVE)
+    dims = validate_job(cfg, world_size)
+    args = get_model_spec(cfg.model.name).build_args(model_job(cfg))
+    if ac.per_layer:
+        choices = parse_per_layer(ac.per_layer)
+    else:
+        result = choose_ac(cfg, dims, device, skew, int(budget_gib * GiB), args)
+        if not result.fits:
+            raise budget_refusal(result, budget_gib, skew)
+        choices = result.choices
+    cfg = dataclasses.replace(cfg, activation_checkpoint=dataclasses.replace(
+        ac, memory_budget_gib=budget_gib, per_layer=per_layer_entries(choices)))
+    row = evaluate(cfg, Layout.of_config(cfg, world_size), world_size, device, skew, Hardware(), {})
+    if row["predicted_peak_gib"] > budget_gib:
+        raise ConfigError("activation_checkpoint.per_layer", f"plans a peak of {row['predicted_peak_gib']:.3f} GiB, "
+                          f"over memory_budget_gib {budget_gib:g}", "[] (chosen before launch), or a larger "
+                          "activation_checkpoint.memory_budget_gib")
+    breakdown = row["step_breakdown_s"]
+    lines = [f"activation_checkpoint.mode = budget: {budget_gib:.3f} GiB per rank; planned peak "
+             f"{row['predicted_peak_gib']:.3f} GiB (worst rank, stage {row['worst_stage']}, routing skew {skew:g}); "
+             f"predicted recompute {breakdown['recompute_s'] / breakdown['step_s']:.1%} of the step "
+             "(uncalibrated step-time model)"]
+    return cfg, lines + [f"  {line}" for line in describe_choices(cfg, dims, device, skew, args, choices)]
 
 
 def calibrate(cfg: JobConfig, ngpu: int, device: str, skew: float, hw: Hardware, measured_s: float) -> Hardware:

@@ -4,7 +4,8 @@
 code 2 instead of one torchrun failure report per rank. The trainer repeats the same checks in every rank.
 With `job.print_config = true` it prints the merged config once the checks pass, and with
 `parallelism.dry_run = true` the dry-run plan for the world size; both exit with NOTHING_TO_LAUNCH, which tells
-`run_train.sh` not to launch anything.
+`run_train.sh` not to launch anything. With `activation_checkpoint.mode = "budget"` it prints the choice per layer
+(at the end of the printed config as comments).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from core.config import ConfigError, config_to_toml, run_with_config_errors
+from core.config import ConfigError, run_with_config_errors
 from trainer.device import device_type
 from trainer.tools.dry_run import print_report, report
 from trainer.job_config import load_command_config
@@ -37,8 +38,11 @@ def main(argv: list[str]) -> None:
     if note is not None:
         print(note)
     if cfg.job.print_config:
-        print(config_to_toml(cfg), end="")
+        # the budget's lines as the config's closing comments: the output stays a config file
+        print(prep.config_text(), end="")
         sys.exit(NOTHING_TO_LAUNCH)
+    if prep.ac_budget is not None:
+        print("\n".join(prep.ac_budget))
     if cfg.parallelism.dry_run:
         print_report(report(cfg, world_size), world_size, cfg)
         sys.exit(NOTHING_TO_LAUNCH)

@@ -6,6 +6,8 @@ time is enough: `python -m trainer.plan --calibrate-step-s S` fits `efficiency` 
 predicts S). docs/memory.md, "Layout planner", writes the model down:
 
     compute  = (3 x forward FLOPs + recompute FLOPs) x microbatches / (peak x efficiency), FP8 GEMMs at fp8 peak
+               + the elementwise outputs activation checkpointing recomputes, memory-bound: 2 x their bytes (read
+               and written) / (HBM bandwidth x elementwise_efficiency), per microbatch
     fp8      = the quantisation of every FP8 GEMM operand (forward x and W, dgrad dY and W^T, wgrad dY^T and x^T),
                memory-bound: elements x fp8_quantize_bytes / (HBM bandwidth x elementwise_efficiency), per microbatch
     bubble   = compute x the schedule's bubble fraction (GPipe/1F1B (p-1)/m, Interleaved1F1B (p-1)/(v m),
@@ -40,7 +42,7 @@ from parallelisms.moe_comm.registry import get_comm_backend
 from quantization.fp8.accounting import fp8_flops_per_token, fp8_operand_elements
 from quantization.fp8.config import fp8_selection
 
-__all__ = ["Fp8Operands", "Hardware", "bubble_fraction", "fp8_operands", "step_time"]
+__all__ = ["Fp8Operands", "Hardware", "bubble_fraction", "fp8_operands", "recompute_seconds", "step_time"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,39 @@ def _bandwidth(hw: Hardware, group: int, stride: int) -> float:
     return (hw.nvlink_gbps if group * stride <= hw.gpus_per_node else hw.network_gbps) * 1e9
 
 
+def _exchange_s(moved: float, ep: int, backend: str, hw: Hardware) -> float:
+    """Seconds of MoE token exchanges of `moved` bytes in all over `ep` ranks ((ep-1)/ep of them leave the rank;
+    the part leaving the node over the network)."""
+    eff = hw.exchange_efficiency or get_comm_backend(backend).exchange_efficiency
+    moved = moved * (ep - 1) / ep
+    local = min(1.0, hw.gpus_per_node / ep)
+    return (moved * local / (hw.nvlink_gbps * 1e9) + moved * (1 - local) / (hw.network_gbps * 1e9)) / eff
+
+
+def _cp_s(nbytes: float, cp: int, hw: Hardware) -> float:
+    """Seconds of context-parallel collectives of `nbytes` of whole sequences ((cp-1)/cp from other ranks; the
+    context-parallel ranks are the world's innermost: NVLink while cp fits in a node)."""
+    return nbytes * (cp - 1) / cp / (_bandwidth(hw, cp, 1) * hw.collective_efficiency)
+
+
+def _elementwise_s(nbytes: float, hw: Hardware) -> float:
+    """Seconds of memory-bound elementwise work writing `nbytes` (and reading as much)."""
+    return 2 * nbytes / (hw.hbm_gbps * 1e9 * hw.elementwise_efficiency)
+
+
+def recompute_seconds(op: str, flops: int, nbytes: int, dims, backend: str, hw: Hardware) -> float:
+    """Seconds to recompute one tensor of the memory plan (`core.memory_types.Item`: its op, forward FLOPs and
+    bytes) as `step_time` counts it: the token exchange (all_to_all) and the context-parallel all-gather as
+    communication, a tensor with FLOPs at the GEMM rate, any other as elementwise work."""
+    if op == "all_to_all":
+        return _exchange_s(nbytes, dims.ep, backend, hw) if dims.ep > 1 else 0.0
+    if op == "all_gather":
+        return _cp_s(nbytes, dims.cp, hw) if dims.cp > 1 else 0.0
+    if flops:
+        return flops / (hw.peak_tflops * 1e12 * hw.efficiency)
+    return _elementwise_s(nbytes, hw)
+
+
 @dataclass(frozen=True)
 class Fp8Operands:
     """What an FP8 recipe quantises on one rank (`fp8_operands`)."""
@@ -156,7 +191,9 @@ def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work
     passes = work["microbatches"] * accumulation
     peak = hw.peak_tflops * 1e12 * hw.efficiency
     flops = 3 * work["forward_flops"] + work["recompute_flops"]
-    compute = passes * flops * ((1 - fp8_fraction) + fp8_fraction / hw.fp8_speedup) / peak
+    gemm_rate = ((1 - fp8_fraction) + fp8_fraction / hw.fp8_speedup) / peak
+    recompute_elementwise = passes * _elementwise_s(work.get("recompute_memory_bytes", 0), hw)
+    compute = passes * flops * gemm_rate + recompute_elementwise
     saved = passes * flops * fp8_fraction * (1 - 1 / hw.fp8_speedup) / peak
     quantize = weights = 0.0
     if fp8 is not None:
@@ -176,18 +213,15 @@ def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work
         fsdp = passes * (gathers * gather_bytes + grad_bytes) * part / bw
         first_gather = max(work["fsdp_unit_bytes"]) * part / bw
 
-    ep = 0.0
+    ep = ep_again = 0.0
     if dims.ep > 1:
-        eff = hw.exchange_efficiency or get_comm_backend(backend).exchange_efficiency
-        moved = passes * (2 * work["a2a_bytes"] + work["a2a_recomputed_bytes"]) * (dims.ep - 1) / dims.ep
-        local = min(1.0, hw.gpus_per_node / dims.ep)
-        ep = (moved * local / (hw.nvlink_gbps * 1e9) + moved * (1 - local) / (hw.network_gbps * 1e9)) / eff
+        ep = _exchange_s(passes * (2 * work["a2a_bytes"] + work["a2a_recomputed_bytes"]), dims.ep, backend, hw)
+        ep_again = _exchange_s(passes * work["a2a_recomputed_bytes"], dims.ep, backend, hw)
 
-    cp = 0.0
+    cp = cp_again = 0.0
     if dims.cp > 1:
-        # the context-parallel ranks are the world's innermost: NVLink while cp fits in a node
-        bw = _bandwidth(hw, dims.cp, 1) * hw.collective_efficiency
-        cp = passes * (2 * work["cp_bytes"] + work["cp_recomputed_bytes"]) * (dims.cp - 1) / dims.cp / bw
+        cp = _cp_s(passes * (2 * work["cp_bytes"] + work["cp_recomputed_bytes"]), dims.cp, hw)
+        cp_again = _cp_s(passes * work["cp_recomputed_bytes"], dims.cp, hw)
 
     pp = 0.0
     if dims.pp > 1:
@@ -204,4 +238,5 @@ def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work
     total = max(compute + quantize + bubble, fsdp) + first_gather + ep + cp + pp + hsdp + optimizer
     return {"step_s": total, "compute_s": compute, "fp8_quantize_s": quantize, "bubble_s": bubble, "fsdp_s": fsdp,
             "ep_s": ep, "cp_s": cp, "pp_s": pp, "hsdp_s": hsdp, "optimizer_s": optimizer, "fp8_saved_s": saved,
-            "fp8_quantize_weights_s": weights}
+            "fp8_quantize_weights_s": weights,
+            "recompute_s": passes * work["recompute_flops"] * gemm_rate + recompute_elementwise + ep_again + cp_again}
