@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from core.config import ConfigError, config_to_toml
+from core.config import ConfigError
 from core.loss import ScaledLoss, count_valid_tokens
 from parallelisms.activation_checkpoint.policy import force_modules_warning, user_force_modules
 from parallelisms.clip import clip_grad_norm_
@@ -145,7 +145,7 @@ class Trainer:
         self.tb_run_dir = self._new_tensorboard_run() if cfg.metrics.enable_tensorboard else None
         self.metrics = MetricLogger(self.tb_run_dir, self.rank, cfg.metrics.enable_tensorboard,
                                     cfg.metrics.save_for_all_ranks)
-        self.metrics.log_run_start(config_to_toml(cfg), run_hparams(cfg, self.dims), list(RUN_METRICS),
+        self.metrics.log_run_start(prep.config_text(), run_hparams(cfg, self.dims), list(RUN_METRICS),
                                    memory_layout(pp, cuda=device.type == "cuda"))
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizers,
                                             self.lr_schedulers, self.train_loader)
@@ -552,6 +552,8 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
     if devices.rank() == 0:
         if prep.auto_layout is not None:
             logger.info(prep.auto_layout)
+        if prep.ac_budget is not None:
+            logger.info("\n".join(prep.ac_budget))
         warn_settings_without_effect(prep, device)
         if user_force_modules(cfg.activation_checkpoint):  # judged once against the whole model, not per stage
             with torch.device("meta"):
@@ -606,7 +608,7 @@ def _main(argv: list[str]) -> None:
         rank = int(os.environ.get("RANK", 0))
         prep = prepare(cfg, devices.world_size_from_env(), rank)
         if rank == 0:
-            print(config_to_toml(prep.cfg), end="")
+            print(prep.config_text(), end="")
         return
     run(cfg)
 
