@@ -54,12 +54,16 @@ def predict(ngpu: int, args: list[str], device: str = "cpu") -> dict:
     return plan(load_config(BASE + args), ngpu, device)["ranks"][0]
 
 
+RATE = "throughput/rank_tokens_per_s"
+"""This rank's tokens/s over the steps since the last logging step (logged at logging steps only)."""
+
+
 def _peaks(history: list[dict]) -> dict:
     peaks = [h["memory/peak_allocated_GiB"] * GiB for h in history]
     top = max(range(len(history)), key=lambda i: peaks[i])
     return {"peak_bytes": int(round(peaks[top])), "per_step_peak_bytes": [int(round(p)) for p in peaks],
             "activations_at_peak_bytes": int(round(history[top]["memory/peak_breakdown/activations_GiB"] * GiB)),
-            "tokens_per_s": [h["throughput/tokens_per_s"] for h in history]}
+            "tokens_per_s": [h[RATE] for h in history if RATE in h]}  # logging steps only
 
 
 def measure_in_process(args: list[str], dump: str) -> dict:

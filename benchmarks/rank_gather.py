@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
         if distributed:
             dist.barrier()
         t0 = time.perf_counter()
-        gather.gather(values, alarm=False)
+        gather.gather(values)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     if rank == 0:

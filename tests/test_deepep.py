@@ -14,6 +14,8 @@ tests/test_deepep.py jobs.json out.json` under torchrun), which runs
     (except where a recompute reruns a DeepEP dispatch), and two per layer under torch's plain full checkpoint;
   * training parity: `expert_parallel_comm_backend = "deepep"` vs `"alltoall"` through the trainer, with
     validation (the no_grad path) every step and exact memory tracking, and the backend's metrics in the log;
+  * a handle leak on one rank only (2 ranks: rank 1's registry never releases): rank 0's tensorboard shows the
+    live handles across ranks growing, rank 1 holding the most, and rank 1's handle-leak alarm;
   * the log says once per process that the CPU stand-in runs.
 """
 
@@ -133,6 +135,10 @@ def _launch(nproc: int, jobs: dict, tmp_path) -> dict:
     base = TRAIN_BASE + ["--model.hf_config_path", hf_config_file(SMALL, tmp_path)]
     jobs = dict(jobs, train={name: base + ["--job.dump_folder", str(tmp_path / name)] + args
                              for name, args in jobs.get("train", {}).items()})
+    if "handle_leak" in jobs:
+        leak = jobs["handle_leak"]
+        jobs["handle_leak"] = dict(leak, args=[*base, "--job.dump_folder", str(tmp_path / "handle_leak"),
+                                               *leak["args"]])
     return torchrun_json(nproc, os.path.abspath(__file__), jobs, tmp_path, timeout=600)
 
 
@@ -193,6 +199,22 @@ def _check_training(train: dict, pairs: list[tuple[str, str]]) -> None:
         assert len(set(allocated[1:])) == 1, (with_deepep, allocated)  # train + validation steps: flat
 
 
+def _check_handle_leak(leak: dict) -> None:
+    """Rank 1 leaks every dispatch's handle, rank 0 none: rank 0's run folder logs the live handles across ranks
+    (their max growing by the same count each step, the rank holding it: 1) and rank 1's handle-leak alarm at step 4
+    (warm-up 1 + window 3 + confirmation 1 - 1); rank 1 warns, naming itself."""
+    own = leak["own"]
+    assert own[0] == [0.0] * 5, own  # rank 0's own count, in its rank scalars
+    growth = {b - a for a, b in zip(own[1], own[1][1:])}
+    assert len(growth) == 1 and growth.pop() > 0 and own[1][0] > 0, own
+    assert leak["max"] == own[1] and leak["min"] == [0.0] * 5, leak
+    assert leak["worst"] == [[1, 1], [4, 1], [5, 1]], leak["worst"]  # (step, rank): logging steps (log_freq 5), alarm
+    assert leak["alarm"] == [[4, 1.0]] and leak["alarm_rank"] == [[4, 1.0]], leak
+    assert leak["warnings"][0] == [] and len(leak["warnings"][1]) == 1, leak["warnings"]
+    assert re.match(r"rank 1 \(EP rank 1 of 2\): handle leak: MoE comm handles alive at step end grow \d+ "
+                    r"handles/step \(Theil-Sen slope over steps 2-4", leak["warnings"][1][0]), leak["warnings"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, layout, ep", [(2, "ep2", "2"), (4, "fsdp4_ep4", "4")], ids=["2ranks", "4ranks"])
 def test_ranks(tmp_path, nproc, layout, ep):
@@ -202,7 +224,12 @@ def test_ranks(tmp_path, nproc, layout, ep):
     if nproc == 2:  # FP8 dispatch through the trainer: blockwise experts, rows on the wire in e4m3 or not
         fp8 = deepep_args + ["--memory.track", "off", "--fp8.recipe", "blockwise", "--training.steps", "2"]
         train |= {"fp8_wire": fp8, "fp32_wire": fp8 + ["--fp8.dispatch", "false"]}
-    out = _launch(nproc, {"battery": True, "train": train}, tmp_path)
+    jobs = {"battery": True, "train": train}
+    if nproc == 2:  # rank 1's handles are never released: tracking off, the handle detector still watches them
+        jobs["handle_leak"] = {"rank": 1, "args": deepep_args + [
+            "--memory.track", "off", "--validation.enable", "false", "--training.steps", "5",
+            "--memory.leak_warmup_steps", "1", "--memory.leak_window", "3", "--metrics.enable_tensorboard", "true"]}
+    out = _launch(nproc, jobs, tmp_path)
     assert out["standin_logs"] == [1] * nproc  # every rank says once that the stand-in runs
     for rank_result in out["battery"]:
         assert all(rank_result["api"].values()), rank_result["api"]
@@ -212,6 +239,7 @@ def test_ranks(tmp_path, nproc, layout, ep):
         _check_host_syncs(rank_result["syncs"])
     _check_training(out["train"], [(f"{layout}_deepep", f"{layout}_alltoall")])
     if nproc == 2:
+        _check_handle_leak(out["handle_leak"])
         fp8, fp32 = out["train"]["fp8_wire"], out["train"]["fp32_wire"]
         assert len(fp8) == 2 and fp8 == fp32, (fp8, fp32)  # every logged scalar, bit for bit
         # one line for the fp8_wire job (rank 0), every MoE layer sending e4m3; none for fp32_wire
@@ -676,6 +704,45 @@ def _train(jobs: dict) -> dict:
     return results
 
 
+def _handle_leak(job: dict) -> dict:
+    """Train `job["args"]` with rank `job["rank"]`'s handle registry never releasing (as `_battery`'s leak); every
+    rank's own live handles per step, and what rank 0's run folder holds of them."""
+    import torch.distributed as dist
+
+    from trainer.job_config import load_config
+    from trainer.memory.leak_detector import HANDLES
+    from trainer.memory.ranks import read_worst_ranks
+    from trainer.metrics import read_scalars, run_dirs
+    from trainer.train import run
+
+    original = HandleRegistry._pop
+    if dist.get_rank() == job["rank"]:
+        HandleRegistry._pop = lambda self, handle_id: self._pending.get(handle_id)
+    warnings = _Messages("trainer.memory.leak_detector", "handle leak")
+    history: list[dict] = []
+    try:
+        run(load_config(job["args"]), shutdown=False, history=history)
+    finally:
+        HandleRegistry._pop = original
+        deepep.HANDLES._pending.clear()  # what the patch kept
+        logging.getLogger("trainer.memory.leak_detector").removeHandler(warnings)
+    own = [None] * dist.get_world_size()
+    dist.all_gather_object(own, [h["moe/live_handles"] for h in history])
+    said = [None] * dist.get_world_size()
+    dist.all_gather_object(said, warnings.messages)
+    result = {"own": own, "warnings": said}
+    if dist.get_rank() == 0:
+        dump = job["args"][job["args"].index("--job.dump_folder") + 1]
+        [run_dir] = run_dirs(os.path.join(dump, "tb"))
+        scalars = read_scalars(run_dir)
+        result |= {"max": [v for _, v in scalars["moe/live_handles/max"]],
+                   "min": [v for _, v in scalars["moe/live_handles/min"]],
+                   "worst": read_worst_ranks(run_dir)["moe/live_handles"],
+                   "alarm": scalars.get(HANDLES.alarm_tag), "alarm_rank": scalars.get(HANDLES.alarm_rank_tag)}
+    dist.barrier()
+    return result
+
+
 def _worker(jobs_path: str, out_path: str) -> None:
     import torch.distributed as dist
     from dist_worker import worker_session
@@ -688,6 +755,8 @@ def _worker(jobs_path: str, out_path: str) -> None:
             dist.all_gather_object(gathered, _battery(dist.get_rank()))
             out["battery"] = gathered
         out["train"] = _train(jobs.get("train", {}))
+        if "handle_leak" in jobs:
+            out["handle_leak"] = _handle_leak(jobs["handle_leak"])
         out["fp8_dispatch_logs"] = fp8_dispatch_logs.messages
         out["standin_logs"] = [None] * dist.get_world_size()
         dist.all_gather_object(out["standin_logs"], standin_logs.count)

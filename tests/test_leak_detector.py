@@ -82,12 +82,12 @@ def test_growth_every_few_steps_is_a_leak(period):
     detector = LeakDetector()
     feed(detector, [(step // period) * MiB for step in range(40)])
     assert detector.alarm is not None
-    assert detector.alarm.slope_bytes_per_step == pytest.approx(MiB / period, rel=0.5)
+    assert detector.alarm.slope_per_step == pytest.approx(MiB / period, rel=0.5)
 
 
 def test_growth_below_threshold_and_noise_are_not_leaks():
     torch.manual_seed(0)
-    detector = LeakDetector(threshold_bytes_per_step=MiB)
+    detector = LeakDetector(threshold_per_step=MiB)
     noise = (torch.randn(60) * 4 * MiB).tolist()
     feed(detector, [step * MiB / 2 + n for step, n in enumerate(noise)])
     assert detector.alarm is None
@@ -128,7 +128,7 @@ def test_message_names_the_category_that_grew():
 def test_from_config_defaults_and_switches():
     cfg = load_config([])
     detector = LeakDetector.from_config(cfg.memory)
-    assert (detector.warmup_steps, detector.window, detector.threshold_bytes_per_step) == (5, 10, 0.1 * MiB)
+    assert (detector.warmup_steps, detector.window, detector.threshold_per_step) == (5, 10, 0.1 * MiB)
     assert detector.enabled and not detector.fail_on_leak
     for overrides in (["--memory.track", "off"], ["--memory.leak_window", "0"]):
         off = LeakDetector.from_config(load_config(overrides).memory)
@@ -139,6 +139,27 @@ def test_from_config_defaults_and_switches():
 
 # ----------------------------------------------------------------------------------------------------------
 # Leaks injected into real training runs
+
+
+def test_the_handle_detector_watches_live_handles_with_memory_untracked(caplog):
+    """A MoE comm backend's live handles: 0 at every step end in a healthy run, so a handle a step (one layer's
+    dispatch never released) is a leak, named in handles, with its rank; one left once (a shift) is not; it runs
+    with memory tracking off (a count is always measured) and stops the run with fail_on_leak."""
+    from trainer.memory.leak_detector import HANDLE_THRESHOLD_PER_STEP, HANDLES
+
+    cfg = load_config(["--memory.track", "off", "--memory.fail_on_leak", "true"]).memory
+    clean = LeakDetector.for_handles(cfg)
+    assert clean.enabled and feed(clean, [0] * 12 + [1] * 28)[-1].slope_per_step == 0 and clean.alarm is None
+    leaking = LeakDetector.for_handles(cfg, where="rank 1 (EP rank 1 of 2)")
+    verdicts = feed(leaking, [2 * step for step in range(1, 31)])
+    assert leaking.alarm is verdicts[ALARM_STEP - 1] and leaking.alarm.slope_per_step == 2
+    assert leaking.scalars(leaking.alarm) == {HANDLES.slope_tag: 2.0, HANDLES.alarm_tag: 1.0}
+    assert HANDLES.slope_tag == "moe/live_handles/leak_slope_per_step" and HANDLE_THRESHOLD_PER_STEP == 0.1
+    with pytest.raises(MemoryLeakError, match=r"^rank 1 \(EP rank 1 of 2\): handle leak: MoE comm handles alive at "
+                                              r"step end grow 2 handles/step \(Theil-Sen slope over steps 10-19; "
+                                              r"threshold 0.1 handles/step\); set memory.fail_on_leak = false"):
+        leaking.check()
+    assert not LeakDetector.for_handles(load_config(["--memory.leak_window", "0"]).memory).enabled
 
 
 @pytest.fixture(autouse=True)
@@ -251,7 +272,7 @@ def test_leak_autograd_graph_kept_by_a_long_lived_buffer(small_model_config, tmp
     assert send_buf.grad_fn is not None
     # per MoE layer and step: the saved 64 x 64 float32 input of silu and the 64 int64 indices
     assert detector.alarm.step == ALARM_STEP
-    assert detector.alarm.slope_bytes_per_step == 64 * 64 * 4 + 64 * 8
+    assert detector.alarm.slope_per_step == 64 * 64 * 4 + 64 * 8
     assert detector.alarm.message().endswith("mostly activations (+0.145 MiB over the window)")
     assert len([r for r in caplog.records if "memory leak" in r.getMessage()]) == 1
     assert all(v.leaking for v in verdicts[ALARM_STEP - 1:])
@@ -287,7 +308,7 @@ def test_leak_handle_cache_never_popped(small_model_config, tmp_path):
     assert len(cache) == 25
     # per MoE layer and step: top-3 weights (float32) and indices (int64) of 64 tokens
     assert detector.alarm.step == ALARM_STEP
-    assert detector.alarm.slope_bytes_per_step == 64 * 3 * (4 + 8)
+    assert detector.alarm.slope_per_step == 64 * 3 * (4 + 8)
 
 
 def test_leak_handle_cache_popped_only_in_backward_leaks_in_validation(small_model_config, tmp_path):
@@ -299,7 +320,7 @@ def test_leak_handle_cache_popped_only_in_backward_leaks_in_validation(small_mod
     assert len(cache) == 2 * (25 // 2)
     assert detector.alarm is not None
     # the average rate: two validation batches' routing every 2 steps
-    assert detector.alarm.slope_bytes_per_step == 64 * 3 * (4 + 8)
+    assert detector.alarm.slope_per_step == 64 * 3 * (4 + 8)
 
 
 @pytest.mark.slow
@@ -308,7 +329,7 @@ def test_clean_run_of_50_steps_never_alarms(small_model_config, tmp_path):
                            "--validation.freq", "5", "--memory.leak_threshold_MiB_per_step", "1e-6")
     detector, verdicts, _ = train_watched(trainer)
     assert detector.alarm is None
-    slopes = [v.slope_bytes_per_step for v in verdicts if v is not None]
+    slopes = [v.slope_per_step for v in verdicts if v is not None]
     assert len(slopes) == 50 - 14 and max(map(abs, slopes)) == 0
     assert not os.path.exists(tmp_path / "memory_snapshots")
 

@@ -1,5 +1,6 @@
 """Memory across ranks (trainer/memory/ranks.py): rank 0 gathers a few numbers of every rank each step and logs
-their spread and the rank holding the most; the console, the leak alarm and the end-of-run line name that rank."""
+their spread and the rank holding the most (a text: a rank is no curve); the console, the leak alarm and the
+end-of-run line name that rank."""
 
 import math
 import os
@@ -9,35 +10,57 @@ import sys
 
 import pytest
 
-from trainer.memory.ranks import FIELDS, RankTable, place_of
+from trainer.memory.monitor import MemoryStats
+from trainer.memory.ranks import FIELDS, WORST_RANK_TAG, RankTable, memory_values, place_of, read_worst_ranks
 
 NAN = math.nan
 
 
-def _row(peak, allocated, rss, slope=NAN, alarm=0.0):
+def _row(peak, allocated, rss, slope=NAN, alarm=0.0, handles=NAN):
     values = {"peak_allocated_GiB": peak, "allocated_GiB": allocated, "rss_GiB": rss,
-              "leak_slope_MiB_per_step": slope}
+              "leak_slope_MiB_per_step": slope, "live_handles": handles}
     return [values.get(field, NAN) for field in FIELDS] + [alarm]
 
 
-def test_the_spread_names_the_rank_with_the_most_and_splits_by_stage():
-    # 4 ranks, 2 pipeline stages, EP 2: rank 2 (stage 1) has the largest peak, rank 1 the most at step end
-    table = RankTable([_row(3.0, 1.0, 5.0), _row(2.0, 1.5, 5.0, alarm=1.0), _row(4.0, 1.0, 6.0), _row(1.0, 0.5, 5.0)],
-                      pp=2, ep=2)
+def test_the_spread_names_the_rank_with_the_most_and_splits_by_stage(tmp_path):
+    # 4 ranks, 2 pipeline stages, EP 2: rank 2 (stage 1) has the largest peak, rank 1 the most at step end and the
+    # most live handles; rank 1 raised a memory alarm, rank 3 a handle alarm
+    table = RankTable([_row(3.0, 1.0, 5.0, handles=0), _row(2.0, 1.5, 5.0, alarm=1.0, handles=6),
+                       _row(4.0, 1.0, 6.0, handles=0), _row(1.0, 0.5, 5.0, alarm=2.0, handles=2)], pp=2, ep=2)
     scalars = table.scalars()
-    assert scalars["memory/peak_allocated_GiB/max"] == 4.0 and scalars["memory/peak_allocated_GiB/max_rank"] == 2
-    assert scalars["memory/peak_allocated_GiB/min"] == 1.0 and scalars["memory/peak_allocated_GiB/median"] == 2.5
-    assert scalars["memory/allocated_GiB/max_rank"] == 1
-    assert scalars["memory/peak_allocated_GiB/stage_0/max"] == 3.0
-    assert scalars["memory/peak_allocated_GiB/stage_0/max_rank"] == 0
-    assert scalars["memory/peak_allocated_GiB/stage_1/max_rank"] == 2
-    # a tie goes to the lowest rank; a field no rank measured has no tag (never a 0 standing in)
-    assert scalars["memory/rss_GiB/stage_0/max_rank"] == 0
-    assert not [tag for tag in scalars if tag.startswith(("memory/reserved", "memory/leak_slope"))]
+    assert scalars["memory/peak_allocated_GiB/max"] == 4.0 and scalars["memory/peak_allocated_GiB/min"] == 1.0
+    assert scalars["memory/peak_allocated_GiB/median"] == 2.5 and scalars["memory/peak_allocated_GiB/stage_0/max"] == 3
+    assert scalars["moe/live_handles/max"] == 6 and scalars["moe/live_handles/stage_1/max"] == 2
+    # no rank as a scalar (smoothing would draw fractional ranks); a field no rank measured has no tag
+    assert not [tag for tag in scalars if "rank" in tag or tag.startswith(("memory/reserved", "memory/leak_slope"))]
     assert table.worst("peak_allocated_GiB") == (2, 4.0) and table.worst("reserved_GiB") is None
-    assert table.alarms() == [1]
+    assert table.alarms() == [1] and table.alarms("handles") == [3]
     assert table.place(2) == "rank 2 (stage 1, EP rank 0 of 2)"
     assert place_of(5, 8, 1, 4) == "rank 5 (EP rank 1 of 4)" and place_of(3, 4, 1, 1) == "rank 3"
+    # the text names the rank holding each max, with its place; a tie goes to the lowest rank
+    text = table.worst_rank_text()
+    assert "| memory/peak_allocated_GiB | 4 | rank 2 (stage 1, EP rank 0 of 2) | 2.5 | 1 |" in text.splitlines()
+    assert "| memory/rss_GiB/stage_0 | 5 | rank 0 (stage 0, EP rank 0 of 2) | 5 | 5 |" in text.splitlines()
+    assert "| moe/live_handles | 6 | rank 1 (stage 0, EP rank 1 of 2) | 1 | 0 |" in text.splitlines()
+    from trainer.metrics import MetricLogger
+
+    metrics = MetricLogger(str(tmp_path), rank=0, enable_tensorboard=True, save_for_all_ranks=False)
+    for step in (5, 10):
+        metrics.log_text(step, WORST_RANK_TAG, text)
+    metrics.close()
+    worst = read_worst_ranks(str(tmp_path))
+    assert worst["memory/peak_allocated_GiB"] == [(5, 2), (10, 2)]
+    assert worst["memory/allocated_GiB/stage_0"] == [(5, 1), (10, 1)] and worst["moe/live_handles"][0] == (5, 1)
+
+
+def test_memory_is_logged_to_the_nearest_MiB():
+    """A few hundred bytes of bookkeeping never draw as a change (issue 36: 288 bytes read as a jump)."""
+    GiB, MiB = 2**30, 2**20
+    before = memory_values(MemoryStats(allocated_bytes=101 * MiB + 40, peak_bytes=3 * GiB), None, None, 0)
+    after = memory_values(MemoryStats(allocated_bytes=101 * MiB + 328, peak_bytes=3 * GiB + 2 * MiB), None, None, 0)
+    assert before["allocated_GiB"] == after["allocated_GiB"] == 101 / 1024
+    assert after["peak_allocated_GiB"] - before["peak_allocated_GiB"] == 2 / 1024  # a MiB counts
+    assert before["rss_GiB"] is None and before["live_handles"] == 0
 
 
 @pytest.mark.slow
@@ -62,9 +85,10 @@ def test_a_rank_made_to_grow_is_named_wherever_memory_is_reported(tmp_path):
     run_dir = run_dirs(str(tmp_path / "dump" / "tb"))[-1]
     run = read_scalars(run_dir)
     assert read_hparams(run_dir)["world_size"] == 4
-    late = [rank for step, rank in run["memory/allocated_GiB/max_rank"] if step >= 3]
-    assert late and set(late) == {3.0}, run["memory/allocated_GiB/max_rank"]
-    assert {rank for step, rank in run["memory/allocated_GiB/stage_1/max_rank"] if step >= 3} == {3.0}
+    worst = read_worst_ranks(run_dir)  # at the logging steps (1, 5, 8) and the alarm's (4)
+    late = [rank for step, rank in worst["memory/allocated_GiB"] if step >= 3]
+    assert late and set(late) == {3}, worst["memory/allocated_GiB"]
+    assert {rank for step, rank in worst["memory/allocated_GiB/stage_1"] if step >= 3} == {3}
     assert run[ALARM_TAG] == [(4, 1.0)] and run[ALARM_RANK_TAG] == [(4, 3.0)]
     assert re.search(r"\[rank 3\] .* rank 3 \(stage 1\): memory leak: memory allocated at step end grows 1 MiB/step",
                      result.stderr), result.stderr[-3000:]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from trainer.memory.leak_detector import SLOPE_TAG
-from trainer.memory.ranks import RankTable
+from trainer.memory.ranks import WORST_RANK_TAG, RankTable
 from trainer.metrics import MetricLogger
 from trainer.tools.plot_memory import (ALLOCATED, MAX_RANK_LINES, MAX_VERDICT_LINES, PEAK, RSS, find_run,
                                       load_run, render)
@@ -40,9 +40,11 @@ def write_run(dump, ranks, leaking_rank=None, steps=40, all_ranks=True, log_slop
             if log_slope:
                 own[SLOPE_TAG] = 0.0
             rows.append([own[PEAK], own[ALLOCATED], float("nan"), own[RSS], float("nan"),
-                         own.get(SLOPE_TAG, float("nan")), 0.0])
+                         own.get(SLOPE_TAG, float("nan")), float("nan"), 0.0])
             loggers[rank].log(step, {}, own)
-        loggers[0].log(step, RankTable(rows, pp, 1).scalars())
+        table = RankTable(rows, pp, 1)
+        loggers[0].log(step, table.scalars())
+        loggers[0].log_text(step, WORST_RANK_TAG, table.worst_rank_text())
     for logger in loggers.values():
         logger.close()
 

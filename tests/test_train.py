@@ -13,6 +13,7 @@ import torch
 from trainer.tools import preflight
 from core.config import ConfigError, config_to_toml, run_with_config_errors
 from trainer.job_config import load_config
+from trainer.memory.ranks import read_worst_ranks
 from trainer.metrics import read_hparams, read_scalars, run_dirs
 from core.model_spec import TrainingHooks, register_model_spec
 from trainer.registry import get_model_spec
@@ -25,6 +26,14 @@ def _cfg(tmp_path, *overrides):
     return load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
                         "--training.seq_len", "64", "--training.steps", "8", "--lr_scheduler.warmup_steps", "2",
                         "--validation.freq", "4", "--metrics.log_freq", "4", *overrides])
+
+
+def _images(run_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(run_dir, size_guidance={"images": 0})
+    events.Reload()
+    return events.Images(tag)
 
 
 def _messages(caplog, pattern):
@@ -40,11 +49,13 @@ def test_debug_model_trains_with_falling_loss_and_tensorboard(tmp_path, caplog):
     [run_dir] = run_dirs(os.path.join(tmp_path, "tb"))
     scalars = read_scalars(run_dir)
     for tag in ("loss", "grad_norm", "lr", "memory/allocated_GiB/max",
-                "memory/peak_allocated_GiB/max", "memory/peak_allocated_GiB/max_rank", "memory/rss_GiB/median",
+                "memory/peak_allocated_GiB/max", "memory/rss_GiB/median",
                 "moe/layer_1/max_over_mean", "moe/layer_5/bias_range"):
         assert [s for s, _ in scalars[tag]] == list(range(1, 9)), tag
-    # throughput over the steps since the last logging step (no wait for the device in between): at logging steps
-    assert [s for s, _ in scalars["throughput/tokens_per_s"]] == [1, 4, 8]
+    # throughput over the steps since the last logging step (no wait for the device in between): at logging steps;
+    # one process: the job's is rank 0's
+    assert [s for s, _ in scalars["throughput/job_tokens_per_s"]] == [1, 4, 8]
+    assert scalars["throughput/job_tokens_per_s"] == scalars["throughput/rank0_tokens_per_s"]
     assert [s for s, _ in scalars["validation/loss"]] == [4, 8]
     # memory at step end is flat after warm-up (exact CPU tracker), and the peak exceeds it; one process: the
     # spread over the ranks is its own value, rank 0's
@@ -52,14 +63,17 @@ def test_debug_model_trains_with_falling_loss_and_tensorboard(tmp_path, caplog):
     assert max(alloc[2:]) - min(alloc[2:]) < 1e-6
     assert all(p > a for (_, p), a in zip(scalars["memory/peak_allocated_GiB/max"], alloc))
     assert scalars["memory/peak_allocated_GiB/min"] == scalars["memory/peak_allocated_GiB/max"]
-    assert {v for _, v in scalars["memory/peak_allocated_GiB/max_rank"]} == {0.0}
+    assert read_worst_ranks(run_dir)["memory/peak_allocated_GiB"] == [(1, 0), (4, 0), (8, 0)]  # logging steps
+    # the experts' load: one image per logging step
+    assert [(e.step, e.height > 5 * 4) for e in _images(run_dir, "moe/tokens_per_expert")] == [(1, True), (4, True),
+                                                                                               (8, True)]
     # the run's HParams row: what shapes memory, with the run's peak, speed and loss at its last step
     hparams = read_hparams(run_dir)
     assert hparams["world_size"] == 1 and hparams["ac_mode"] == "none" and hparams["dtype"] == "float32"
     assert scalars["run/final_loss"] == [(8, pytest.approx(losses[-1]))]
     assert scalars["run/peak_memory_GiB"][0][1] == pytest.approx(max(v for _, v in
                                                                      scalars["memory/peak_allocated_GiB/max"]))
-    assert scalars["run/tokens_per_s"][0][1] > 0
+    assert scalars["run/job_tokens_per_s"][0][1] > 0
     # the expert bias moved (aux-loss-free balancing ran once per step)
     assert scalars["moe/layer_1/bias_range"][-1][1] > 0
     # console: step 1 although log_freq is 4, then every 4th step; one summary line of the whole run
@@ -88,9 +102,10 @@ def test_each_run_writes_its_own_tensorboard_run_and_logs_only_measured_memory(t
     assert _messages(caplog, "^tensorboard:") == [
         f"tensorboard: this run writes to {r}; compare it with the other runs of this job: tensorboard --logdir {tb} "
         f"(with every job under {parent}: --logdir {parent})" for r in runs]
-    # the run folders say what the command line set
-    labels = [os.path.basename(r).split("-", 2)[2].split(",") for r in runs]
+    # the run folders say what the command line set, and always the AC mode, the layout and the dtype
+    labels = [os.path.basename(r).rsplit("-", 2)[0].split(",") for r in runs]
     assert "steps=3" in labels[0] and "steps=2" in labels[1] and all("track=off" in label for label in labels)
+    assert all(label[label.index("ac=none"):][:3] == ["ac=none", "1rank", "fp32"] for label in labels), labels
     # tracking off: no tensor memory tag and no leak slope (no zeros that look measured); the process RSS is logged
     scalars = read_scalars(runs[1])
     assert not [tag for tag in scalars if tag.startswith("memory/") and not tag.startswith("memory/rss_GiB/")], \

@@ -36,7 +36,7 @@ from trainer.checkpoint.config import CheckpointSection
 from trainer.data.config import DatasetSection
 from trainer.lr_schedule import LRSchedulerSection
 from trainer.memory.config import MemorySection
-from trainer.metrics import LABEL_MAX, MetricsSection
+from trainer.metrics import LABEL_MAX, MetricsSection, layout_label
 from trainer.optimizer import OptimizerSection
 from trainer.registry import get_model_spec
 from trainer.tokenizer import TokenizerSection
@@ -148,13 +148,27 @@ def set_keys(cfg: JobConfig, base: JobConfig | None = None) -> list[tuple[str, o
     return changed
 
 
-def run_name(cfg: JobConfig) -> str:
-    """What tells this run apart from the other runs of its job: a `job.description` given on the command line,
-    else the keys the command line set, as `key=value` (the key's last part; lists joined by `+`, paths by their
-    file name); empty when the run is the TOML file's own."""
+#: Keys folded into the three parts every run name holds: the AC mode (with its other keys), the layout, the dtype.
+_LAYOUT_KEYS = ("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
+                "parallelism.context_parallel_degree", "parallelism.expert_parallel_degree",
+                "parallelism.pipeline_parallel_degree")
+#: Short names of long keys in a run's name.
+_SHORT = {"expert_parallel_comm_backend": "comm", "pipeline_parallel_schedule": "pp_schedule"}
+#: Settings of a run's length, seed, logging, checkpoints, timeouts and leak detection, not of its model, layout,
+#: math or memory measurement: they go last in a run's name, and are the first left out when it is too long.
+_INCIDENTAL = ("training.steps", "training.seed", "metrics.", "validation.", "checkpoint.", "comm.", "memory.leak_",
+               "memory.snapshot_freq", "memory.dump_on_leak", "memory.fail_on_leak")
+
+
+def run_name(cfg: JobConfig, dims: ParallelDims) -> str:
+    """What tells this run apart from the other runs of its job, as a run folder's label: first what the command
+    line set (a `job.description` given there, or the keys it set, as `key=value`: the key's last part, lists joined
+    by `+`, paths by their file name, `_SHORT` names for long keys), then always the AC mode, the layout
+    (`layout_label` of the resolved `dims`) and the dtype, e.g. `lr=0.001,ac=selective,fsdp4.ep2,bf16`, then
+    incidental settings (steps, logging, checkpoints: `_INCIDENTAL`). Whole settings only: those that do not fit `LABEL_MAX`
+    are counted as `+N`, incidental ones first."""
     base = _file_config(cfg)
-    if cfg.job.description != base.job.description:
-        return cfg.job.description
+    ac = cfg.activation_checkpoint
 
     def shown(value: object) -> str:
         if isinstance(value, list):
@@ -162,14 +176,32 @@ def run_name(cfg: JobConfig) -> str:
         text = str(value)
         return os.path.basename(text.rstrip("/")) if os.sep in text else text
 
-    parts = [f"{key.rpartition('.')[2]}={shown(value)}" for key, value in set_keys(cfg, base)]
-    # whole settings only: as many as fit a folder name's label, then how many more there are
-    for n in range(len(parts), 0, -1):
-        more = f",+{len(parts) - n}" if n < len(parts) else ""
-        label = ",".join(parts[:n]) + more
-        if len(label) <= LABEL_MAX:
+    first, ac_keys, incidental = [], [], []
+    for key, value in set_keys(cfg, base):
+        name = key.rpartition(".")[2]
+        part = f"{_SHORT.get(name, name)}={shown(value)}"
+        if key.startswith("activation_checkpoint."):
+            ac_keys += [] if key == "activation_checkpoint.mode" else [part]
+        elif key in _LAYOUT_KEYS or key == "training.dtype":
+            continue
+        elif key.startswith(_INCIDENTAL):
+            incidental.append(part)
+        else:
+            first.append(part)
+    kept = [",".join([f"ac={ac.mode}", *ac_keys]), layout_label(dims), _DTYPES.get(cfg.training.dtype,
+                                                                                     cfg.training.dtype)]
+    if cfg.job.description != base.job.description:  # cut to leave room for the three parts
+        first = [cfg.job.description[:max(LABEL_MAX - len(",".join(kept)) - 1, 0)]]
+    optional = first + incidental
+    for n in range(len(optional), -1, -1):
+        more = [f"+{len(optional) - n}"] if n < len(optional) else []
+        label = ",".join([*optional[:min(n, len(first))], *kept, *optional[len(first):n], *more])
+        if len(label) <= LABEL_MAX or n == 0:
             return label
-    return f"+{len(parts)}" if parts else ""
+    raise AssertionError("unreachable: n = 0 returns")
+
+
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def model_job(cfg: JobConfig) -> ModelJob:

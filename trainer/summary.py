@@ -10,12 +10,14 @@ import time
 from typing import Any
 
 from trainer.memory.ranks import RankTable
+from trainer.metrics import layout_label
 
 __all__ = ["RUN_METRICS", "RunSummary", "duration", "run_hparams"]
 
-RUN_METRICS = ("run/peak_memory_GiB", "run/tokens_per_s", "run/final_loss")
+RUN_METRICS = ("run/peak_memory_GiB", "run/job_tokens_per_s", "run/final_loss")
 """The HParams table's metrics: the largest per-rank peak of tensor memory (process RSS where tensor memory was not
-tracked), the job's tokens per second after its first step, and the loss of the last step."""
+tracked), the whole job's tokens per second (every data-parallel rank's) after its first step, and the loss of the
+last step."""
 
 
 def duration(seconds: float) -> str:
@@ -27,15 +29,18 @@ def duration(seconds: float) -> str:
 
 
 def run_hparams(cfg, dims) -> dict[str, Any]:
-    """The settings that shape a run's memory and speed, as the HParams table's columns."""
+    """The settings that shape a run's memory and speed, as the HParams table's columns, in their display order:
+    the layout in one column (`fsdp4.ep2`), the AC mode and the dtype first (tensorboard shows five columns by
+    default, those that differ between the runs first), then each degree and the rest."""
     par, ac = cfg.parallelism, cfg.activation_checkpoint
-    return {"model": f"{cfg.model.name}/{cfg.model.hf_config_path or cfg.model.flavor}",
-            "world_size": dims.world_size, "pp": dims.pp,
-            "pp_schedule": par.pipeline_parallel_schedule if dims.pp > 1 else "-", "dp_replicate": dims.dp_replicate,
-            "dp_shard": dims.dp_shard, "cp": dims.cp, "ep": dims.ep, "comm_backend": par.expert_parallel_comm_backend,
-            "ac_mode": ac.mode, "ac_save_ops": ",".join(ac.save_ops) if ac.mode == "selective" else "-",
-            "dtype": cfg.training.dtype, "fp8": cfg.fp8.recipe, "compile": cfg.compile.enable,
-            "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len}
+    return {"layout": layout_label(dims), "ac_mode": ac.mode,
+            "dtype": cfg.training.dtype, "world_size": dims.world_size, "dp_shard": dims.dp_shard, "ep": dims.ep,
+            "pp": dims.pp, "cp": dims.cp, "dp_replicate": dims.dp_replicate,
+            "comm_backend": par.expert_parallel_comm_backend,
+            "ac_save_ops": ",".join(ac.save_ops) if ac.mode == "selective" else "-", "fp8": cfg.fp8.recipe,
+            "compile": cfg.compile.enable, "pp_schedule": par.pipeline_parallel_schedule if dims.pp > 1 else "-",
+            "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
+            "model": f"{cfg.model.name}/{cfg.model.hf_config_path or cfg.model.flavor}"}
 
 
 @dataclasses.dataclass
@@ -81,7 +86,7 @@ class RunSummary:
         if self.peak is not None:
             metrics["run/peak_memory_GiB"] = self.peak[1]
         if self.timed_seconds > 0:
-            metrics["run/tokens_per_s"] = self.timed_tokens / self.timed_seconds
+            metrics["run/job_tokens_per_s"] = self.timed_tokens / self.timed_seconds
         return metrics
 
     def line(self, start_step: int, total_steps: int, tb_run_dir: str | None, checkpoint: str | None) -> str:

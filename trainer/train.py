@@ -51,12 +51,14 @@ from trainer.checkpoint.files import CheckpointError, latest_checkpoint
 from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError
 from trainer.data.config import DatasetError
 from trainer.data.for_job import data_errors_at
+from trainer.expert_load import IMAGE_TAG, expert_load_image, rows_of
 from trainer.job_config import JobConfig, load_command_config, run_name
 from trainer.launch import PREEMPTED_PREFIX, launched, leave_marker, report_line, restart_line
 from trainer.lr_schedule import build_lr_scheduler
-from trainer.memory.leak_detector import ALARM_RANK_TAG, ALARM_TAG, LeakDetector, MemoryLeakError
+from trainer.memory.leak_detector import HANDLES, MEMORY, LeakDetector, MemoryLeakError
 from trainer.memory.monitor import MemoryMonitor
-from trainer.memory.ranks import FIELDS, CrossRankMemory, RankTable, memory_layout, memory_values, place_of
+from trainer.memory.ranks import (FIELDS, HANDLES_TAG, WORST_RANK_TAG, CrossRankMemory, RankTable, memory_layout,
+                                  memory_values, place_of)
 from trainer.memory.snapshots import MemorySnapshots
 from trainer.metrics import MetricLogger, init_logging, new_run_dir
 from trainer.optimizer import build_optimizer
@@ -140,13 +142,18 @@ class Trainer:
         self.cross_rank = CrossRankMemory(dist.group.WORLD if dist.is_initialized() else None, self.rank, world, pp,
                                           ep)
         self.device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        self.leak_detector = LeakDetector.from_config(
-            cfg.memory, on_leak=self.snapshots.on_leak, where=place_of(self.rank, world, pp, ep) if world > 1 else "")
+        where = place_of(self.rank, world, pp, ep) if world > 1 else ""
+        self.leak_detector = LeakDetector.from_config(cfg.memory, on_leak=self.snapshots.on_leak, where=where)
+        self.handle_detector = LeakDetector.for_handles(cfg.memory, where=where)
+        # the comm backend's own scalars; its live handles (where it counts them) are gathered across ranks
+        self.comm_backend = get_comm_backend(cfg.parallelism.expert_parallel_comm_backend) \
+            if self.dims.ep_enabled else None
+        counts_handles = self.comm_backend is not None and HANDLES_TAG in self.comm_backend.metrics()
         self.tb_run_dir = self._new_tensorboard_run() if cfg.metrics.enable_tensorboard else None
         self.metrics = MetricLogger(self.tb_run_dir, self.rank, cfg.metrics.enable_tensorboard,
                                     cfg.metrics.save_for_all_ranks)
         self.metrics.log_run_start(prep.config_text(), run_hparams(cfg, self.dims), list(RUN_METRICS),
-                                   memory_layout(pp, cuda=device.type == "cuda"))
+                                   memory_layout(pp, cuda=device.type == "cuda", live_handles=counts_handles))
         self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizers,
                                             self.lr_schedulers, self.train_loader)
         self.start_step = self.checkpoint.load()
@@ -174,7 +181,7 @@ class Trainer:
         """This run's tensorboard folder `<dump>/tb/<run id>`: created by rank 0, its path broadcast so that every
         rank writes into the same run."""
         tb_folder = os.path.join(self.cfg.job.dump_folder, "tb")
-        path = [new_run_dir(tb_folder, label=run_name(self.cfg)) if self.rank == 0 else None]
+        path = [new_run_dir(tb_folder, label=run_name(self.cfg, self.dims)) if self.rank == 0 else None]
         if dist.is_initialized():
             dist.broadcast_object_list(path, src=0)
         parent = os.path.dirname(os.path.abspath(self.cfg.job.dump_folder))
@@ -433,13 +440,24 @@ class Trainer:
                 if mem.allocated_bytes is not None:  # the detector must never see unmeasured memory
                     verdict = self.leak_detector.update(step, mem.allocated_bytes, mem.breakdown)
                     record.rank_scalars.update(self.leak_detector.scalars(verdict))
-                table = self.cross_rank.gather(memory_values(mem, verdict, self.device_bytes),
-                                               alarm=verdict is not None and verdict is self.leak_detector.alarm)
+                # the comm backend's own scalars, measured at step end (e.g. handles alive past the step)
+                comm = self.comm_backend.metrics() if self.comm_backend is not None else {}
+                live_handles, handle_verdict = comm.pop(HANDLES_TAG, None), None
+                if live_handles is not None:
+                    record.rank_scalars[HANDLES_TAG] = live_handles
+                    handle_verdict = self.handle_detector.update(step, live_handles)
+                    record.rank_scalars.update(self.handle_detector.scalars(handle_verdict))
+                alarms = tuple(kind for kind, detector, v in (("memory", self.leak_detector, verdict),
+                                                              ("handles", self.handle_detector, handle_verdict))
+                               if v is not None and v is detector.alarm)
+                table = self.cross_rank.gather(memory_values(mem, verdict, self.device_bytes, live_handles), alarms)
                 if table is not None:  # rank 0: the spread over the ranks, and who holds the most
                     scalars.update(table.scalars())
                     summary.add_table(table)
-                    if table.alarms():
-                        scalars.update({ALARM_TAG: 1.0, ALARM_RANK_TAG: float(table.alarms()[0])})
+                    for kind, watched in (("memory", MEMORY), ("handles", HANDLES)):
+                        if table.alarms(kind):
+                            scalars.update({watched.alarm_tag: 1.0,
+                                            watched.alarm_rank_tag: float(table.alarms(kind)[0])})
                 stop = False
                 validated = self.val_loader is not None and step % cfg.validation.freq == 0
                 if validated:
@@ -448,16 +466,16 @@ class Trainer:
                             scalars["validation/loss"] = self.validate()
                     except PreemptedError:  # the step itself is done: its checkpoint is saved below
                         stop = True
-                if self.dims.ep_enabled:
-                    # the comm backend's own scalars, measured now (e.g. handles alive past the step)
-                    scalars.update(get_comm_backend(cfg.parallelism.expert_parallel_comm_backend).metrics())
+                scalars.update(comm)
                 pending.add(record)
-                alarm = verdict is not None and verdict is self.leak_detector.alarm
+                # rank 0 logs any rank's alarm at once, with the ranks holding the most
+                alarm = bool(alarms) or (table is not None and bool(table.alarms("memory") + table.alarms("handles")))
                 # a step that logs nothing reads nothing from the device; "stop" must know each step's verdict now
                 if self._logs_at(step) or validated or alarm or cfg.training.on_nonfinite == "stop":
-                    self._log_pending(pending, summary, losses, history, table)
+                    self._log_pending(pending, summary, losses, history, table, alarm=alarm)
                 # after the step is logged: the alarm's step and slope are in tensorboard when the run stops
                 self.leak_detector.check()
+                self.handle_detector.check()
                 if self.checkpoint.due(step, last=step == cfg.training.steps):
                     with self._checkpoint_save("checkpoint save"):
                         self.checkpoint.maybe_save(step, last=step == cfg.training.steps)
@@ -479,19 +497,23 @@ class Trainer:
         return step % self.cfg.metrics.log_freq == 0 or step in (self.start_step + 1, self.cfg.training.steps)
 
     def _log_pending(self, pending: PendingSteps, summary: RunSummary, losses: list[float],
-                     history: list[dict] | None, table: RankTable | None = None) -> None:
+                     history: list[dict] | None, table: RankTable | None = None, alarm: bool = False) -> None:
         """Read the pending steps' device values (one host transfer) and log them: every step's scalars to
         tensorboard at its own step, the throughput of the steps since the last logging step (tokens over wall
-        time: the rate as training runs, with no wait for the device in between), non-finite steps, and the last
-        step's console line with this step's memory `table` (rank 0)."""
+        time: the rate as training runs, with no wait for the device in between; the job's and this rank's),
+        non-finite steps, and at a logging step the experts' load as an image, the rank holding the most of each
+        field of this step's memory `table` (text; at a leak `alarm` too) and the console line (rank 0)."""
         if not len(pending):
             return
-        records = pending.flush()
+        logs = table is not None and self._logs_at(pending.last_step)
+        records = pending.flush(arrays=logs and self.metrics.writes and self.cfg.metrics.expert_load_images)
         now = time.perf_counter()
         seconds, self._window_start = now - self._window_start, now
         tokens_per_s = sum(r.local_tokens for r in records) / seconds
+        job_tokens_per_s = sum(r.global_tokens for r in records) / seconds
         for record in records:
             scalars, last = record.scalars, record is records[-1]
+            rows = rows_of({tag: scalars.pop(tag) for tag in [t for t, v in scalars.items() if isinstance(v, list)]})
             if scalars.pop(_NONFINITE):
                 self._handle_nonfinite(record.step, scalars["loss"], scalars["grad_norm"])
             losses.append(scalars["loss"])
@@ -500,14 +522,20 @@ class Trainer:
                 summary.validation = (record.step, scalars["validation/loss"])
                 logger.info("step %d validation loss %.4f", record.step, scalars["validation/loss"])
             if last:
-                scalars.update({"throughput/tokens_per_s": tokens_per_s,
-                                "throughput/tflops": tokens_per_s * self.flops_per_token / 1e12})
-                record.rank_scalars["throughput/tokens_per_s"] = tokens_per_s
+                scalars["throughput/job_tokens_per_s"] = job_tokens_per_s
+                if self.rank == 0:  # the run folder's: rank 0's own rate, named so
+                    scalars.update({"throughput/rank0_tokens_per_s": tokens_per_s,
+                                    "throughput/rank0_tflops": tokens_per_s * self.flops_per_token / 1e12})
+                record.rank_scalars["throughput/rank_tokens_per_s"] = tokens_per_s
             self.metrics.log(record.step, scalars, record.rank_scalars)
+            if rows:
+                self.metrics.log_image(record.step, IMAGE_TAG, expert_load_image(rows, self.dims.ep))
             if history is not None:
                 history.append({**record.rank_scalars, **scalars})
-        if table is not None and self._logs_at(records[-1].step):
-            self._console(records[-1].step, records[-1].scalars, tokens_per_s, table)
+        if table is not None and (logs or alarm):
+            self.metrics.log_text(records[-1].step, WORST_RANK_TAG, table.worst_rank_text())
+        if logs:
+            self._console(records[-1].step, records[-1].scalars, job_tokens_per_s, table)
 
     def _console(self, step: int, scalars: dict[str, float], tokens_per_s: float, table: RankTable) -> None:
         """The step's console line (rank 0): memory of the rank with the largest peak, named when there are

@@ -120,8 +120,10 @@ def before_step(model_parts, global_tokens: int) -> None:
 
 
 def post_optimizer_step(model_parts, moe_cfg: MoESection, dp_group) -> dict[str, torch.Tensor]:
-    """Aux-loss-free expert-bias update (once per optimizer step) and the routing statistics to log, as 0-d device
-    tensors (the trainer reads them with its other step values, in one transfer on a logging step)."""
+    """Aux-loss-free expert-bias update (once per optimizer step) and the routing statistics to log, as device
+    tensors (the trainer reads them with its other step values, in one transfer on a logging step): 0-d scalars,
+    and each layer's tokens per expert over the data-parallel group (1-D, the trainer's heatmap of the experts'
+    load)."""
     moe_layers = [m for part in model_parts for m in part.moe_layers()]
     layer_ids = [m.layer_id for m in moe_layers]
     counts_LE = update_expert_bias(moe_layers, moe_cfg.load_balance_coeff, dp_group)
@@ -137,6 +139,8 @@ def post_optimizer_step(model_parts, moe_cfg: MoESection, dp_group) -> dict[str,
             values.append(per_rank.max() / per_rank.mean().clamp_min(1e-9))
         names.append(f"moe/layer_{layer_id}/bias_range")
         values.append(moe.expert_bias.max() - moe.expert_bias.min())
+        names.append(f"moe/layer_{layer_id}/tokens_per_expert")
+        values.append(counts_E)
     return dict(zip(names, values))
 
 

@@ -1,4 +1,5 @@
-"""Memory-leak detection from the memory left allocated at the end of each step.
+"""Leak detection from what is left at the end of each step: the memory allocated (`MEMORY`), and the MoE comm
+backend's live handles (`HANDLES`: a handle a dispatch never released keeps its buffers alive, torchtitan #2296).
 
 In a healthy run the memory alive at step end (parameters, gradients if kept, optimizer state, buffers) is
 flat once the first steps have created the optimizer state: the exact CPU tracker measures it as constant to
@@ -14,6 +15,9 @@ window's positions; a leak keeps it up for good. So the alarm needs the slope ab
 ``warmup_steps + window + window // 2 - 1`` steps into the run (19 with the defaults), and a leak that only
 grows every ``k`` steps (e.g. only in validation) is caught while the window spans at least two periods
 (``window >= 2 * k``, measured: periods up to 6 steps are caught with window 10).
+
+The same detector watches the live handles, which a healthy run holds none of at step end, with a threshold of
+`HANDLE_THRESHOLD_PER_STEP` handles per step.
 
 Typical use in the loop::
 
@@ -33,8 +37,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from statistics import median
 
-__all__ = ["ALARM_RANK_TAG", "ALARM_TAG", "SLOPE_TAG", "LeakDetector", "LeakVerdict", "MemoryLeakError",
-           "theil_sen_slope"]
+__all__ = ["ALARM_RANK_TAG", "ALARM_TAG", "HANDLES", "HANDLE_THRESHOLD_PER_STEP", "MEMORY", "SLOPE_TAG",
+           "LeakDetector", "LeakVerdict", "MemoryLeakError", "Watched", "theil_sen_slope"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,38 @@ ALARM_TAG = "memory/leak_alarm"
 its own alarm; in the run folder: any rank's)."""
 ALARM_RANK_TAG = "memory/leak_alarm_rank"
 """Run-folder tag logged beside ``ALARM_TAG``: the (lowest) rank whose detector raised the alarm at that step."""
+
+
+@dataclass(frozen=True)
+class Watched:
+    """What a detector watches at each step end: how its leak is named, its unit, and its tensorboard tags."""
+
+    leak: str
+    """The leak's name in the warning (``memory leak``)."""
+    grows: str
+    """What grows, with its verb (``memory allocated at step end grows``)."""
+    unit: str
+    """The unit of its slope in messages and tensorboard (``MiB``)."""
+    unit_size: float
+    """The unit in the values the detector is fed (bytes per MiB)."""
+    slope_tag: str
+    """Tag of the slope, logged every step once the window is full (a rank's folder)."""
+    alarm_tag: str
+    """Tag logged once, with the value 1, at the step of the alarm (a rank's folder: its own; the run folder: any
+    rank's)."""
+    alarm_rank_tag: str
+    """Run-folder tag beside ``alarm_tag``: the (lowest) rank whose detector raised the alarm at that step."""
+
+
+MEMORY = Watched("memory leak", "memory allocated at step end grows", "MiB", _MiB, SLOPE_TAG, ALARM_TAG, ALARM_RANK_TAG)
+"""The memory allocated at step end, in bytes (the default)."""
+HANDLES = Watched("handle leak", "MoE comm handles alive at step end grow", "handles", 1.0,
+                  "moe/live_handles/leak_slope_per_step", "moe/live_handles/leak_alarm",
+                  "moe/live_handles/leak_alarm_rank")
+"""The MoE comm backend's handles alive at step end (0 in a healthy run)."""
+HANDLE_THRESHOLD_PER_STEP = 0.1
+"""Growth of the live handles above which the detector reports a handle leak: one handle every 10 steps (a leaking
+dispatch leaks one per MoE layer and forward, 1 or more per step)."""
 
 
 class MemoryLeakError(RuntimeError):
@@ -68,33 +104,37 @@ class LeakVerdict:
     Attributes:
         step: the step of this reading.
         first_step: the first step of the window the slope was fitted on (``step`` is the last).
-        slope_bytes_per_step: Theil-Sen slope of the step-end allocated bytes over the window.
-        threshold_bytes_per_step: the slope above which growth counts as a leak.
+        slope_per_step: Theil-Sen slope over the window of the watched values (bytes for memory, handles).
+        threshold_per_step: the slope above which growth counts as a leak (same unit).
         leaking: the slope has been above the threshold for the confirmation span (``window // 2`` steps).
         growth_by_category: bytes each memory category (parameters, activations, ...) grew by over the window,
             when the caller passed a breakdown; empty otherwise.
         where: the rank it is about, with its place in the layout (e.g. ``rank 5 (stage 1, EP rank 1 of 4)``);
             empty in a single process.
+        watched: what the detector watches (``MEMORY``, ``HANDLES``).
     """
 
     step: int
     first_step: int
-    slope_bytes_per_step: float
-    threshold_bytes_per_step: float
+    slope_per_step: float
+    threshold_per_step: float
     leaking: bool
     growth_by_category: Mapping[str, int]
     where: str = ""
+    watched: Watched = MEMORY
 
     @property
     def slope_MiB_per_step(self) -> float:
-        return self.slope_bytes_per_step / _MiB
+        """The slope in bytes per step over a MiB (memory)."""
+        return self.slope_per_step / _MiB
 
     def message(self) -> str:
         """One line describing the leak: rate, step range, threshold and the category that grew most."""
-        text = (f"{self.where + ': ' if self.where else ''}memory leak: memory allocated at step end grows "
-                f"{self.slope_MiB_per_step:.4g} MiB/step "
+        w = self.watched
+        text = (f"{self.where + ': ' if self.where else ''}{w.leak}: {w.grows} "
+                f"{self.slope_per_step / w.unit_size:.4g} {w.unit}/step "
                 f"(Theil-Sen slope over steps {self.first_step}-{self.step}; threshold "
-                f"{self.threshold_bytes_per_step / _MiB:.4g} MiB/step)")
+                f"{self.threshold_per_step / w.unit_size:.4g} {w.unit}/step)")
         if self.growth_by_category:
             name, grown = max(self.growth_by_category.items(), key=lambda kv: kv[1])
             if grown > 0:
@@ -103,13 +143,13 @@ class LeakVerdict:
 
 
 class LeakDetector:
-    """Watches the memory allocated at the end of every step and flags sustained growth.
+    """Watches a value left at the end of every step (the memory allocated, by default) and flags sustained growth.
 
     Args:
         warmup_steps: updates ignored at the start (optimizer state and caches are created there).
         window: steps the slope is fitted over (at least 3); the slope is reported from the step the window is
             first full, and the alarm needs it above the threshold for ``window // 2`` consecutive steps.
-        threshold_bytes_per_step: slopes above this count as a leak.
+        threshold_per_step: slopes above this count as a leak (bytes per step for memory).
         fail_on_leak: ``check`` raises ``MemoryLeakError`` once the alarm went off, instead of only a warning
             being logged; ``update`` never raises, so that the caller can first log the alarm's step.
         on_leak: called once with the alarm's verdict before the warning or the error (e.g. to dump a memory
@@ -117,21 +157,23 @@ class LeakDetector:
         enabled: ``False`` makes ``update`` a no-op returning None (no tracking, so nothing to watch).
         warn: log the warning at the alarm; offline analysis (``trainer.plot_memory``) reports by itself.
         where: the rank this detector watches, with its place in the layout, named in its verdicts' messages.
+        watched: what it watches: ``MEMORY`` (bytes) or ``HANDLES`` (a count), for its messages and tags.
 
     The alarm is raised once per run: one warning, however long the leak lasts. The slope keeps being reported.
     """
 
-    def __init__(self, warmup_steps: int = 5, window: int = 10, threshold_bytes_per_step: float = 0.1 * _MiB,
+    def __init__(self, warmup_steps: int = 5, window: int = 10, threshold_per_step: float = 0.1 * _MiB,
                  fail_on_leak: bool = False, on_leak: Callable[[LeakVerdict], object] | None = None,
-                 enabled: bool = True, warn: bool = True, where: str = "") -> None:
+                 enabled: bool = True, warn: bool = True, where: str = "", watched: Watched = MEMORY) -> None:
         if window < 3:
             raise ValueError(f"leak window must be at least 3 steps, got {window}")
-        if warmup_steps < 0 or threshold_bytes_per_step <= 0:
-            raise ValueError("leak warmup_steps must be >= 0 and threshold_bytes_per_step > 0")
+        if warmup_steps < 0 or threshold_per_step <= 0:
+            raise ValueError("leak warmup_steps must be >= 0 and threshold_per_step > 0")
         self.warmup_steps = warmup_steps
         self.window = window
         self.confirm_steps = window // 2
-        self.threshold_bytes_per_step = float(threshold_bytes_per_step)
+        self.threshold_per_step = float(threshold_per_step)
+        self.watched = watched
         self.fail_on_leak = fail_on_leak
         self.on_leak = on_leak
         self.enabled = enabled
@@ -148,13 +190,23 @@ class LeakDetector:
                     where: str = "") -> LeakDetector:
         """A detector for the ``[memory]`` config section; disabled when tracking is off or ``leak_window`` is 0."""
         return cls(warmup_steps=cfg.leak_warmup_steps, window=max(cfg.leak_window, 3),
-                   threshold_bytes_per_step=cfg.leak_threshold_MiB_per_step * _MiB,
+                   threshold_per_step=cfg.leak_threshold_MiB_per_step * _MiB,
                    fail_on_leak=cfg.fail_on_leak, on_leak=on_leak,
                    enabled=cfg.track != "off" and cfg.leak_window > 0, where=where)
 
-    def update(self, step: int, allocated_bytes: int,
+    @classmethod
+    def for_handles(cls, cfg, where: str = "") -> LeakDetector:
+        """A detector of the MoE comm backend's live handles for the ``[memory]`` section: its warm-up, window and
+        ``fail_on_leak``, ``HANDLE_THRESHOLD_PER_STEP``; on whether memory is tracked or not (a handle count is
+        always measured), off when ``leak_window`` is 0."""
+        return cls(warmup_steps=cfg.leak_warmup_steps, window=max(cfg.leak_window, 3),
+                   threshold_per_step=HANDLE_THRESHOLD_PER_STEP, fail_on_leak=cfg.fail_on_leak,
+                   enabled=cfg.leak_window > 0, where=where, watched=HANDLES)
+
+    def update(self, step: int, allocated_bytes: float,
                breakdown: Mapping[str, int] | None = None) -> LeakVerdict | None:
-        """Record the memory allocated at the end of ``step``; returns the verdict once the window is full.
+        """Record the value left at the end of ``step`` (the memory allocated, in bytes, or what ``watched``
+        names); returns the verdict once the window is full.
 
         ``breakdown`` (category -> bytes, e.g. ``MemoryStats.breakdown``) is optional and only names the
         category that grew in the leak message. At the alarm it calls ``on_leak`` and logs the warning (not with
@@ -170,12 +222,13 @@ class LeakDetector:
             return None
         steps = [float(s) for s, _, _ in self._points]
         slope = theil_sen_slope(steps, [float(b) for _, b, _ in self._points])
-        self._above = self._above + 1 if slope > self.threshold_bytes_per_step else 0
+        self._above = self._above + 1 if slope > self.threshold_per_step else 0
         first, last = self._points[0][2], self._points[-1][2]
         growth = {name: last[name] - first.get(name, 0) for name in last}
-        verdict = LeakVerdict(step=step, first_step=self._points[0][0], slope_bytes_per_step=slope,
-                              threshold_bytes_per_step=self.threshold_bytes_per_step,
-                              leaking=self._above >= self.confirm_steps, growth_by_category=growth, where=self.where)
+        verdict = LeakVerdict(step=step, first_step=self._points[0][0], slope_per_step=slope,
+                              threshold_per_step=self.threshold_per_step,
+                              leaking=self._above >= self.confirm_steps, growth_by_category=growth, where=self.where,
+                              watched=self.watched)
         if verdict.leaking and self.alarm is None:
             self._raise_alarm(verdict)
         return verdict
@@ -196,11 +249,11 @@ class LeakDetector:
             raise MemoryLeakError(f"{self.alarm.message()}; set memory.fail_on_leak = false to only warn")
 
     def scalars(self, verdict: LeakVerdict | None) -> dict[str, float]:
-        """The tensorboard scalars of ``verdict``: the slope once the window is full, and ``ALARM_TAG`` at the
-        alarm's step; empty before."""
+        """The tensorboard scalars of ``verdict``: the slope (in ``watched``'s unit) once the window is full, and
+        the alarm tag at the alarm's step; empty before."""
         if verdict is None:
             return {}
-        scalars = {SLOPE_TAG: verdict.slope_MiB_per_step}
+        scalars = {self.watched.slope_tag: verdict.slope_per_step / self.watched.unit_size}
         if verdict is self.alarm:
-            scalars[ALARM_TAG] = 1.0
+            scalars[self.watched.alarm_tag] = 1.0
         return scalars

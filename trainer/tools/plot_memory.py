@@ -5,8 +5,9 @@
 
 Reads the tensorboard scalars the train loop writes for one run (the latest of the dump or tb folder, the run named
 by ``--run``, or the run folder given; runs are never mixed):
-  * the run folder (rank 0): the spread of memory over the ranks, ``memory/<field>/{max,min,median,max_rank}``
-    and the same per pipeline stage (``memory/<field>/stage_<s>/...``), and the step and rank of a leak alarm;
+  * the run folder (rank 0): the spread of memory over the ranks, ``memory/<field>/{max,min,median}`` and the same
+    per pipeline stage (``memory/<field>/stage_<s>/...``), the rank holding each max at each logging step (text,
+    ``trainer.memory.ranks.read_worst_ranks``), and the step and rank of a leak alarm;
   * with ``metrics.save_for_all_ranks``, ``rank_<r>/``: every rank's own curves, on which the leak detector is run
     again (with its defaults or the flags), so that a run that did not detect leaks can still be checked.
 
@@ -30,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from trainer.memory.leak_detector import ALARM_RANK_TAG, ALARM_TAG, SLOPE_TAG, LeakDetector, LeakVerdict
+from trainer.memory.ranks import read_worst_ranks
 from trainer.metrics import read_hparams, read_scalars, run_dirs
 
 __all__ = ["MAX_RANK_LINES", "RankSeries", "RunMemory", "find_run", "load_run", "main", "render"]
@@ -92,8 +94,8 @@ class RunMemory:
     """One run: every rank's own curves where the run saved them, and the spread over the ranks that rank 0 logged.
 
     spread: ``{tag: {"max" | "min" | "median" | "max_rank": (steps, values)}}`` for the tags `memory/<field>` and
-    `memory/<field>/stage_<s>`. alarms: (step, rank) of the leak alarms rank 0 logged. world_size: from the run's
-    HParams row (None for a run that has none)."""
+    `memory/<field>/stage_<s>` (``max_rank``: the rank holding the max, at the logging steps). alarms: (step,
+    rank) of the leak alarms rank 0 logged. world_size: from the run's HParams row (None for a run that has none)."""
 
     run_dir: str
     ranks: list[RankSeries] = field(default_factory=list)
@@ -123,7 +125,7 @@ class RunMemory:
         if "max" in slope:
             steps, values = slope["max"]
             top = max(range(len(values)), key=values.__getitem__)
-            rank = int(slope["max_rank"][1][top]) if "max_rank" in slope else None
+            rank = dict(zip(*slope["max_rank"])).get(steps[top]) if "max_rank" in slope else None  # logging steps
             at = f", rank {rank} at step {steps[top]}" if rank is not None else ""
             return f"{who}: no leak alarm (largest slope {values[top]:.4g} MiB/step{at})"
         if ALLOCATED in self.spread:
@@ -230,8 +232,11 @@ def load_run(run_dir: str, warmup_steps: int = 5, window: int = 10, threshold_Mi
         result.pp = int(hparams.get("pp", 1))
         for tag, points in scalars.items():
             base, _, stat = tag.rpartition("/")
-            if base.startswith("memory/") and stat in ("max", "min", "median", "max_rank"):
+            if base.startswith("memory/") and stat in ("max", "min", "median"):
                 result.spread.setdefault(base, {})[stat] = ([s for s, _ in points], [v for _, v in points])
+        for base, points in read_worst_ranks(run_dir).items():
+            if base.startswith("memory/"):
+                result.spread.setdefault(base, {})["max_rank"] = ([s for s, _ in points], [r for _, r in points])
         ranks = dict(scalars.get(ALARM_RANK_TAG, []))
         result.alarms = [(step, int(ranks.get(step, 0))) for step, _ in scalars.get(ALARM_TAG, [])]
         if not result.spread and not dirs:  # a run folder of per-rank tags: rank 0's own
