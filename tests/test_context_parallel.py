@@ -130,7 +130,9 @@ def test_bad_context_parallel_input_through_run_train_sh(tmp_path):
                         "--job.dump_folder", str(tmp_path / "out")], cwd=REPO, env=dict(os.environ, NGPU="2"),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    # run_train.sh's progress line while preflight loads, then the one error line
+    progress, *lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert progress.startswith("preflight: checking "), r.stderr
     assert len(lines) == 1 and "training.seq_len: 66 cannot be split" in lines[0], r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
 

@@ -95,6 +95,9 @@ def _entry_points(command: str) -> list[tuple[str, str]]:
     """('module' or 'script', name) of the python entry points a command line runs: `-m <module>` and the `.py`
     files it names (a script under `torch.distributed.run` counts too); placeholders (`<tool>`) are skipped."""
     words = _split(command)
+    if any(words[i:i + 2] == ["-m", "pytest"] for i in range(len(words))):
+        # pytest's arguments are test files it collects, not scripts that answer --help
+        words = words[:words.index("pytest") + 1]
     points = []
     for i, word in enumerate(words):
         if word == "-m" and i + 1 < len(words) and words[i - 1].endswith(("python", "python3")):
