@@ -132,3 +132,28 @@ def test_cuda_the_loop_waits_for_the_device_only_on_logging_steps(tmp_path):
     per_step, _, _ = _reads_per_step(tmp_path, "--training.dtype", "bfloat16", device="cuda")
     # a read is a host read plus the copy the detector sees: 2 on a logging step, 0 elsewhere
     assert {step: n for step, n in per_step.items() if step > 1} == {2: 0, 3: 2, 4: 0, 5: 0, 6: 2, 7: 2}, per_step
+
+
+def test_a_failing_step_still_logs_the_steps_before_it(tmp_path):
+    """Steps between logging steps wait in the loop unread; when a later step raises, they still reach `history`
+    (and tensorboard) before the error propagates: here steps 1 and 3 are logging steps, 4 waits, 5 fails."""
+    cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
+                       "--model.hf_config_path", hf_config_file(SMALL), "--training.seq_len", "32",
+                       "--training.local_batch_size", "1", "--training.steps", "7", "--metrics.log_freq", "3",
+                       "--validation.enable", "false", "--metrics.enable_tensorboard", "false"])
+    trainer = Trainer(prepare(cfg, 1, 0), torch.device("cpu"))
+    advance = trainer._advance
+
+    def fail_at_step_5(point, step=None, patience=0.0):
+        if step == 5:
+            raise RuntimeError("step 5 failed")
+        advance(point, step, patience)
+
+    trainer._advance = fail_at_step_5
+    history: list[dict] = []
+    try:
+        with pytest.raises(RuntimeError, match="step 5 failed"):
+            trainer.train(history)
+    finally:
+        trainer.close()
+    assert len(history) == 4 and all(torch.isfinite(torch.tensor(h["loss"])) for h in history), history

@@ -29,7 +29,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from parallelisms.moe_comm.registry import get_comm_backend
 from parallelisms.pipeline import build_schedule
 from trainer import device as devices
 from trainer.build import build_model_parts, materialize
-from trainer.checkpoint.files import CheckpointError, latest_checkpoint
+from trainer.checkpoint.files import CheckpointError
 from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError
 from trainer.data.config import DatasetError
 from trainer.data.for_job import data_errors_at
@@ -419,7 +419,7 @@ class Trainer:
             self._stop_for_preemption(self.start_step)
             steps = range(0)
         pending = PendingSteps()
-        with self.memory, self.snapshots:
+        with self.memory, self.snapshots, self._logged_on_error(pending, summary, losses, history):
             self._window_start = time.perf_counter()
             for step in steps:
                 self._advance("reading its batch", step)
@@ -490,6 +490,19 @@ class Trainer:
         if summary.steps or self.preempted is None:  # preempted before its first step: its line says it all
             self._log_summary(summary)
         return losses
+
+    @contextlib.contextmanager
+    def _logged_on_error(self, pending: PendingSteps, summary: RunSummary, losses: list[float],
+                         history: list[dict] | None) -> Iterator[None]:
+        """When the loop raises, the steps it finished but has not logged yet (between logging steps) still reach
+        the console, tensorboard and `history`; a failure of that read (the device itself failed) is secondary and
+        leaves the loop's error to propagate."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._log_pending(pending, summary, losses, history)
+            raise
 
     def _logs_at(self, step: int) -> bool:
         """Whether `step` is a logging step: every `metrics.log_freq`-th, the run's first (the reference the later
@@ -596,7 +609,7 @@ def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None
     try:
         trainer = Trainer(prep, device)
         if trainer.rank == 0:
-            _report_restart(cfg, trainer.start_step)
+            _report_restart(trainer.checkpoint.resumed_from, trainer.start_step)
         losses = trainer.train(history)
     finally:
         if trainer is not None:
@@ -618,9 +631,9 @@ def _report_preemption(stop: Stop, rank: int) -> None:
     leave_marker(f"{PREEMPTED_PREFIX}{rank}", line)
 
 
-def _report_restart(cfg: JobConfig, start_step: int) -> None:
-    """In rank 0 of an elastic restart, one warning: which rank failed and how, and where the run resumes."""
-    path = latest_checkpoint(cfg.checkpoint, cfg.job.dump_folder) if start_step else None
+def _report_restart(path: str | None, start_step: int) -> None:
+    """In rank 0 of an elastic restart, one warning: which rank failed and how, and where the run resumes (`path`,
+    the checkpoint the run loaded: after a fallback past a corrupt one, not the latest)."""
     resumed = (f"resuming from {path} (step {start_step})" if path else
                "starting again from step 1: there is no checkpoint to resume from (checkpoint.enable)")
     line = restart_line(resumed)
