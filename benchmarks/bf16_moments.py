@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import machine_info  # noqa: E402  (needs the repo root on sys.path)
+from benchmarks.common import machine_info, split_passthrough  # noqa: E402  (needs the repo root on sys.path)
 
 #: the final loss is averaged over this many last steps: one step's loss depends on its batch
 FINAL_WINDOW = 10
@@ -129,8 +129,7 @@ def compare(run: dict, base: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
+    own, extra = split_passthrough(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--no-noise-floor", action="store_true", help="skip the float32 foreach run")

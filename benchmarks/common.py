@@ -43,6 +43,14 @@ def gpu_info() -> dict | None:
             "driver": driver}
 
 
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A benchmark's own arguments and, after `--`, the trainer's config overrides it passes on to every run."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
 def labelled(name: str, fn):
     """`fn` running inside a profiler label (a no-op when no profiler is active)."""
     from torch.profiler import record_function

@@ -87,16 +87,7 @@ def test_many_ranks_are_bands_with_a_bounded_legend_and_bounded_verdicts(tmp_pat
     assert lines[1].startswith("ranks 0-36, 38-63 (63): no leak")
     assert run.worst_rank() == 63  # 0.01 GiB more per rank in this synthetic run; the leak adds 30 MiB by step 30
     out = tmp_path / "memory.png"
-    figures = []
-    from matplotlib.figure import Figure
-
-    save = Figure.savefig
-    Figure.savefig = lambda fig, path, **kw: (figures.append(fig), save(fig, path, **kw))[-1]
-    try:
-        render(run, str(out))
-    finally:
-        Figure.savefig = save
-    [fig] = figures
+    fig = _figure_of(run, out)
     labels = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
     assert len(labels) <= 12, labels  # bands per stage and the worst rank, not a line per rank
     assert "rank 63 (largest peak)" in labels and "rank 37 (recomputed)" in labels  # the leaking rank's slope
