@@ -12,6 +12,9 @@ recompute-name table (models/deepseek_v3/parallelize.py for DeepSeek-V3):
         save_ops                  op-table names (`ops.py`) whose outputs are saved; every other op is recomputed
         force_recompute_modules   submodules (dotted FQN suffixes inside a block) whose ops are recomputed even
                                   when their op is in save_ops
+    budget, per_layer             each block its own choice, one entry per layer: none, full, or per-op SAC saving
+                                  the ops it names (`budget.py`); chosen before launch for memory_budget_gib
+                                  by the memory plan (`trainer.tools.plan.resolve_ac_budget`)
     selective, granularity=op, recompute_modules set (Megatron-Core names, the model's `RecomputeTable`)
                                   only the submodules the names cover (and force_recompute_modules) are
                                   checkpointed; the rest of the block keeps what autograd keeps without AC.
@@ -48,5 +51,6 @@ The package, one concern per module:
 
     config.py   the [activation_checkpoint] section and its checks before a model exists
     ops.py      the op table: the short names save_ops takes, the ops they stand for, the registered backends' ops
+    budget.py   mode budget: the per_layer entries, and the solver that chooses them under a planned peak
     policy.py   the scope tracker, the SAC passes, the per-op policy, apply_ac, and OpCounter (ops by table name)
 """
