@@ -12,9 +12,9 @@ exact tracking, budgets planned as a launch plans them (expert rows at the plann
 layout: AC none, selective and full, then budget at 5 points evenly between full's planned peak and none's (the
 fractions 1/6 ... 5/6 of the way). Per row: the budget and the planned peak; the measured peak (the largest
 `memory/peak_allocated_GiB` over ranks and steps) and its ratio to the budget; the step time (the median over
-steps 2-4 of the slowest rank's seconds per step, under the exact tracker); the losses and their largest difference
-from AC none's; for a budget row the choice per layer and the cheapest fixed mode whose measured peak is within the
-budget, with its step time.
+steps 2-4 of the slowest rank's seconds per step, from a second run of the row with tracking off); the losses and
+their largest difference from AC none's; for a budget row the choice per layer and the cheapest fixed mode whose
+measured peak is within the budget, with its step time.
 
 `--optimality`: for 9 budgets per layout, the predicted recompute seconds of the choice (`choose_ac`) and of the
 exact optimum, found by branch and bound over every option of every block (none, full, per-op for every subset of
@@ -31,13 +31,13 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.common import serve_jobs, torchrun_jobs  # noqa: E402
 from trainer.job_config import load_config, model_job, validate_job  # noqa: E402
 from trainer.registry import get_model_spec  # noqa: E402
 from trainer.tools import memory_plan  # noqa: E402
@@ -89,8 +89,10 @@ def rows_of(ranks: int) -> dict[str, dict]:
 
 
 def _measured(history: list[dict], tokens_per_step: int) -> dict:
-    """What one rank's history says: peak bytes, losses, seconds per step."""
-    return {"peak_bytes": max(h["memory/peak_allocated_GiB"] for h in history) * GiB,
+    """What one rank's history says: peak bytes (None when tensor memory was not tracked), losses, seconds per
+    step."""
+    peaks = [h["memory/peak_allocated_GiB"] for h in history if "memory/peak_allocated_GiB" in h]
+    return {"peak_bytes": max(peaks) * GiB if peaks else None,
             "losses": [h["loss"] for h in history],
             "step_s": [tokens_per_step / h["throughput/rank_tokens_per_s"] for h in history]}
 
@@ -106,56 +108,29 @@ def _train(args: list[str]) -> dict:
 
 
 def measure(ranks: int, rows: dict[str, dict], tmp: str) -> dict[str, dict]:
-    """Train every row on `ranks` ranks (torchrun and gloo from 2 on; this process for 1); per row the peak over
-    ranks, rank 0's losses and the slowest rank's seconds per step."""
-    jobs = {name: BASE + row["args"] + ["--job.dump_folder", os.path.join(tmp, f"{name}_{ranks}")]
-            for name, row in rows.items()}
+    """Train every row on `ranks` ranks (torchrun and gloo from 2 on; this process for 1) twice: with the exact
+    tracker, for the peak over ranks and rank 0's losses, and with tracking off, for the slowest rank's seconds per
+    step (the exact tracker's bookkeeping on every op costs more than the recompute being timed)."""
+    jobs = {}
+    for name, row in rows.items():
+        jobs[name] = BASE + row["args"] + ["--job.dump_folder", os.path.join(tmp, f"{name}_{ranks}")]
+        jobs[f"{name}.timed"] = BASE + row["args"] + ["--memory.track", "off", "--job.dump_folder",
+                                                      os.path.join(tmp, f"{name}_{ranks}_timed")]
     if ranks == 1:
         import torch
 
         torch.set_num_threads(1)
-        return {name: _train(args) for name, args in jobs.items()}
-    jobs_file, out_dir = os.path.join(tmp, f"jobs{ranks}.json"), os.path.join(tmp, f"out{ranks}")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(jobs_file, "w") as f:
-        json.dump(jobs, f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           os.path.abspath(__file__), "--worker", jobs_file, out_dir]
-    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=3600)
-    if r.returncode != 0:
-        raise RuntimeError(f"torchrun failed:\n{r.stderr[-4000:]}")
+        per_job = {name: [_train(args)] for name, args in jobs.items()}
+    else:
+        per_job = torchrun_jobs(__file__, jobs, ranks, tmp, timeout_s=3600)
     results = {}
-    for name in jobs:
-        per_rank = []
-        for rank in range(ranks):
-            with open(os.path.join(out_dir, f"{name}.rank{rank}.json")) as f:
-                per_rank.append(json.load(f))
-        results[name] = {"peak_bytes": max(p["peak_bytes"] for p in per_rank),
-                         "per_rank_peak_bytes": [p["peak_bytes"] for p in per_rank],
-                         "losses": per_rank[0]["losses"],
-                         "step_s": [max(steps) for steps in zip(*(p["step_s"] for p in per_rank))]}
+    for name in rows:
+        tracked, timed = per_job[name], per_job[f"{name}.timed"]
+        results[name] = {"peak_bytes": max(p["peak_bytes"] for p in tracked),
+                         "per_rank_peak_bytes": [p["peak_bytes"] for p in tracked],
+                         "losses": tracked[0]["losses"],
+                         "step_s": [max(steps) for steps in zip(*(p["step_s"] for p in timed))]}
     return results
-
-
-def _worker(jobs_file: str, out_dir: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from trainer import device as devices
-
-    torch.set_num_threads(1)
-    devices.init_distributed(timeout_s=600)
-    try:
-        with open(jobs_file) as f:
-            jobs = json.load(f)
-        for name, args in jobs.items():
-            result = _train(args)
-            with open(os.path.join(out_dir, f"{name}.rank{dist.get_rank()}.json"), "w") as f:
-                json.dump(result, f)
-            dist.barrier()
-    finally:
-        devices.shutdown_distributed()
 
 
 def table(ranks: int, tmp: str) -> list[dict]:
@@ -289,7 +264,7 @@ def plot(rows: list[dict], path: str) -> None:
             time_ax.axhline(r["step_s"], linestyle=style, linewidth=0.8, color="C3", label=r["row"])
         peak_ax.set_title(f"{titles.get(ranks, ranks)}: peak")
         peak_ax.set_ylabel("MiB")
-        time_ax.set_title(f"{titles.get(ranks, ranks)}: step time (exact tracker)")
+        time_ax.set_title(f"{titles.get(ranks, ranks)}: step time")
         time_ax.set_ylabel("s per step")
         time_ax.set_xlabel("memory_budget_gib (MiB)")
         for ax in (peak_ax, time_ax):
@@ -304,7 +279,7 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--worker"]:
         from trainer import device as devices
 
-        _worker(argv[1], argv[2])
+        serve_jobs(argv[1], argv[2], _train, timeout_s=600)
         devices.end_process(0)  # the process group may outlive its shutdown (see there)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ngpu", type=int, choices=sorted(LAYOUTS), help="one layout (default: all)")

@@ -1,13 +1,18 @@
-"""Pieces shared by the benchmark scripts: machine description, profiler labels, device timing and the GPU kernel
-time split."""
+"""Pieces shared by the benchmark scripts: machine description, profiler labels, device timing, the GPU kernel
+time split, and training several jobs in one torchrun launch."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
+from collections.abc import Callable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def machine_info() -> dict:
@@ -193,3 +198,50 @@ def gpu_time_split(kernels: list[tuple[str, float, float]], window: tuple[float,
         "top_kernels": [{"name": name[:200], "category": kernel_category(name), "ms": round(t * 1e3, 3),
                          "count": count} for name, (t, count) in rows],
     }
+
+
+def torchrun_jobs(script: str, jobs: dict[str, list[str]], ranks: int, tmp: str,
+                  timeout_s: int) -> dict[str, list[dict]]:
+    """Train every job (name -> trainer args) on `ranks` gloo ranks in one torchrun launch of `script --worker
+    JOBS OUT`, whose worker calls `serve_jobs`: one launch instead of one per job. Returns each job's results, one
+    per rank in rank order."""
+    jobs_file, out_dir = os.path.join(tmp, f"jobs{ranks}.json"), os.path.join(tmp, f"out{ranks}")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(jobs_file, "w") as f:
+        json.dump(jobs, f)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           os.path.abspath(script), "--worker", jobs_file, out_dir]
+    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=timeout_s)
+    if r.returncode != 0:
+        raise RuntimeError(f"torchrun failed:\n{r.stderr[-4000:]}")
+    results = {}
+    for name in jobs:
+        results[name] = []
+        for rank in range(ranks):
+            with open(os.path.join(out_dir, f"{name}.rank{rank}.json")) as f:
+                results[name].append(json.load(f))
+    return results
+
+
+def serve_jobs(jobs_file: str, out_dir: str, train: Callable[[list[str]], dict], timeout_s: int) -> None:
+    """The torchrun worker of `torchrun_jobs`: one process group, one torch thread per rank, every job in turn;
+    `train(args)` returns this rank's result (JSON), written to OUT as `<job>.rank<r>.json`; the ranks start each
+    job together."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer import device as devices
+
+    torch.set_num_threads(1)
+    devices.init_distributed(timeout_s=timeout_s)
+    try:
+        with open(jobs_file) as f:
+            jobs = json.load(f)
+        for name, args in jobs.items():
+            result = train(args)
+            with open(os.path.join(out_dir, f"{name}.rank{dist.get_rank()}.json"), "w") as f:
+                json.dump(result, f)
+            dist.barrier()
+    finally:
+        devices.shutdown_distributed()

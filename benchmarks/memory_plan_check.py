@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks.common import serve_jobs, torchrun_jobs  # noqa: E402
 
 GiB = 2 ** 30
 TOLERANCE = 0.15
@@ -86,24 +87,10 @@ def measure_in_process(args: list[str], dump: str) -> dict:
 
 def measure_torchrun(ngpu: int, jobs: dict[str, list[str]], tmp: str) -> dict[str, dict]:
     """Train every job on `ngpu` gloo ranks in one torchrun launch; {job: {"peak_bytes" (max over ranks), ...}}."""
-    jobs_file = os.path.join(tmp, f"jobs{ngpu}.json")
-    out_dir = os.path.join(tmp, f"out{ngpu}")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(jobs_file, "w") as f:
-        json.dump({name: BASE + args + ["--job.dump_folder", os.path.join(tmp, f"{name}_{ngpu}")]
-                   for name, args in jobs.items()}, f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}",
-           os.path.abspath(__file__), "--worker", jobs_file, out_dir]
-    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=1800)
-    if r.returncode != 0:
-        raise RuntimeError(f"torchrun failed:\n{r.stderr[-4000:]}")
+    launched = torchrun_jobs(__file__, {name: BASE + args + ["--job.dump_folder", os.path.join(tmp, f"{name}_{ngpu}")]
+                                        for name, args in jobs.items()}, ngpu, tmp, timeout_s=1800)
     results = {}
-    for name in jobs:
-        per_rank = []
-        for rank in range(ngpu):
-            with open(os.path.join(out_dir, f"{name}.rank{rank}.json")) as f:
-                per_rank.append(json.load(f))
+    for name, per_rank in launched.items():
         errors = [p["error"] for p in per_rank if "error" in p]
         results[name] = {"error": errors[0]} if errors else {
             "peak_bytes": max(p["peak_bytes"] for p in per_rank),
@@ -115,31 +102,18 @@ def measure_torchrun(ngpu: int, jobs: dict[str, list[str]], tmp: str) -> dict[st
     return results
 
 
-def _worker(jobs_file: str, out_dir: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from trainer import device as devices
+def _train_row(args: list[str]) -> dict:
+    """One job on this rank: its peaks, or the error of a job the trainer cannot run (reported as a row, the
+    others still run)."""
     from trainer.job_config import load_config
     from trainer.train import run
 
-    torch.set_num_threads(1)
-    devices.init_distributed(timeout_s=300)
+    history: list[dict] = []
     try:
-        with open(jobs_file) as f:
-            jobs = json.load(f)
-        for name, args in jobs.items():
-            history: list[dict] = []
-            try:
-                run(load_config(args), shutdown=False, history=history)
-                result = _peaks(history)
-            except Exception as e:  # a job the trainer cannot run is reported as a row, the others still run
-                result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-            with open(os.path.join(out_dir, f"{name}.rank{dist.get_rank()}.json"), "w") as f:
-                json.dump(result, f)
-            dist.barrier()
-    finally:
-        devices.shutdown_distributed()
+        run(load_config(args), shutdown=False, history=history)
+        return _peaks(history)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
 
 
 def _row(ngpu: int, ep: int, ac: str, batch: int, seq: int, steps: int, measured: dict, predicted: dict, recipe: str,
@@ -196,7 +170,7 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--worker"]:
         from trainer import device as devices
 
-        _worker(argv[1], argv[2])
+        serve_jobs(argv[1], argv[2], _train_row, timeout_s=300)
         devices.end_process(0)  # the process group may outlive its shutdown (see there)
     def value(flag: str, default: str) -> str:
         return argv[argv.index(flag) + 1] if flag in argv else default
