@@ -46,6 +46,22 @@ def test_save_for_all_ranks_writes_per_rank_folders(tmp_path):
         assert read_scalars(str(tmp_path / f"rank_{rank}")) == {"memory/allocated_GiB": [(5, float(rank))]}
 
 
+def test_a_ranks_memory_sizes_are_written_to_the_nearest_mib(tmp_path):
+    """288 bytes of bookkeeping between two steps (issue 36) draw no step in a rank's memory chart; other values
+    and breakdowns are written as given."""
+    metrics = MetricLogger(str(tmp_path), rank=0, enable_tensorboard=True, save_for_all_ranks=True)
+    base = 0.0942 * 2**30
+    for step, nbytes in ((1, base), (2, base + 288)):
+        metrics.log(step, {}, {"memory/allocated_GiB": nbytes / 2**30, "memory/breakdown/activations_GiB": 557 / 2**30,
+                               "moe/live_handles": 3.0})
+    metrics.close()
+    scalars = read_scalars(str(tmp_path / "rank_0"))
+    [(_, first), (_, second)] = scalars["memory/allocated_GiB"]
+    assert first == second == pytest.approx(round(base / 2**20) / 1024)
+    assert scalars["memory/breakdown/activations_GiB"][0][1] == pytest.approx(557 / 2**30)
+    assert scalars["moe/live_handles"] == [(1, 3.0), (2, 3.0)]
+
+
 def test_config_text_and_hparams_row_round_trip(tmp_path):
     """The run's merged config as text and its HParams row (settings, then the metrics at the end) read back
     from the event files; only rank 0 writes them."""

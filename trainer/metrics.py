@@ -87,6 +87,10 @@ def init_logging(rank: int, info_on_all_ranks: bool = False) -> None:
     root.setLevel(logging.INFO if rank == 0 or info_on_all_ranks else logging.WARNING)
 
 
+#: a rank folder's memory sizes (GiB), written to the nearest MiB
+_RANK_SIZES = frozenset(f"memory/{name}_GiB" for name in ("allocated", "peak_allocated", "reserved", "rss"))
+
+
 class MetricLogger:
     """Writes scalars, texts and images to tensorboard and prints a compact progress line.
 
@@ -130,9 +134,13 @@ class MetricLogger:
 
     def log(self, step: int, scalars: dict[str, float], rank_scalars: dict[str, float] | None = None) -> None:
         """Write the run's ``scalars`` to the run folder and this rank's ``rank_scalars`` to its rank folder, each
-        under its tag at ``step`` (nothing where there is no writer)."""
+        under its tag at ``step`` (nothing where there is no writer); a rank's memory sizes in GiB to the nearest
+        MiB, as the run folder's across-rank tags (trainer/memory/ranks.py: bytes of bookkeeping would otherwise
+        draw as two levels whose ticks read the same)."""
         self._check_open()
-        for writer, values in ((self._writer, scalars), (self._rank_writer, rank_scalars or {})):
+        rank_scalars = {tag: round(value * 1024) / 1024 if tag in _RANK_SIZES else value
+                        for tag, value in (rank_scalars or {}).items()}
+        for writer, values in ((self._writer, scalars), (self._rank_writer, rank_scalars)):
             if writer is not None:
                 for tag, value in values.items():
                     writer.add_scalar(tag, value, step)

@@ -239,7 +239,8 @@ class MemoryMonitor:
 
         Of the breakdowns, only what tells steps and runs apart: at the peak, activations, gradients and other
         (parameters and optimizer state are the same at every step); at step end, activations and gradients only
-        where some are left (a healthy step leaves none: a chart of them is a leak's trace, not a flat zero)."""
+        where some are left (a healthy step leaves a few hundred bytes at most: a chart of them is a leak's trace,
+        not a flat zero)."""
         sizes = {"allocated": stats.allocated_bytes, "peak_allocated": stats.peak_bytes,
                  "reserved": stats.reserved_bytes, "rss": stats.rss_bytes}
         scalars = {f"memory/{name}_GiB": nbytes / _GiB for name, nbytes in sizes.items() if nbytes is not None}
