@@ -111,7 +111,9 @@ def shoot(url: str, out: str, all_pages: bool = True, width: int = 1600) -> dict
 
         page.open(f"{url}/#text")
         texts["text_worst_rank"] = page.wait_for(
-            lambda p: (t := p.text()) and "memory/peak_allocated_GiB" in t and t, what="the worst-rank texts")
+            # every run's text: they load one by one
+            lambda p: (t := p.text()) and t.count("memory/peak_allocated_GiB") >= len(AC_MODES) and t,
+            what="the worst-rank texts")
         page.scroll_to("worst_rank")  # below the merged config
         page.screenshot(os.path.join(out, "tensorboard_text_worst_rank.png"))
 
