@@ -138,12 +138,12 @@ class MetricLogger:
         MiB, as the run folder's across-rank tags (trainer/memory/ranks.py: bytes of bookkeeping would otherwise
         draw as two levels whose ticks read the same)."""
         self._check_open()
-        rank_scalars = {tag: round(value * 1024) / 1024 if tag in _RANK_SIZES else value
-                        for tag, value in (rank_scalars or {}).items()}
-        for writer, values in ((self._writer, scalars), (self._rank_writer, rank_scalars)):
-            if writer is not None:
-                for tag, value in values.items():
-                    writer.add_scalar(tag, value, step)
+        if self._writer is not None:
+            for tag, value in scalars.items():
+                self._writer.add_scalar(tag, value, step)
+        if self._rank_writer is not None:
+            for tag, value in (rank_scalars or {}).items():
+                self._rank_writer.add_scalar(tag, round(value * 1024) / 1024 if tag in _RANK_SIZES else value, step)
 
     def log_text(self, step: int, tag: str, markdown: str) -> None:
         """A text (tensorboard renders it as markdown) in the run folder, at ``step``; tensorboard files it under
