@@ -1,29 +1,35 @@
 """BF16 AdamW moments against float32 moments: the same job, seed and data with optimizer.state_dtype float32 and
-bfloat16, one after the other in this process; and, as the noise floor of the comparison, float32 again with
-torch's foreach AdamW instead of its fused kernel (the same math, rounded differently in the last bit).
+bfloat16 (its moments stored with stochastic rounding, the default, and rounded to nearest); and, as the noise floor
+of the comparison, float32 again with torch's foreach AdamW instead of its fused kernel (the same math, rounded
+differently in the last bit).
 
-    python benchmarks/bf16_moments.py                        # debug model as configured, 200 steps, three runs
+    python benchmarks/bf16_moments.py                        # debug model as configured, 200 steps, four runs
+    python benchmarks/bf16_moments.py --jobs 2               # two runs at a time, a torch thread each
     python benchmarks/bf16_moments.py --steps 3 --no-noise-floor  # a smoke run
     python benchmarks/bf16_moments.py -- --training.seq_len 64   # extra trainer flags go to every run
     python benchmarks/bf16_moments.py --device cuda          # on a GPU (the fused bf16 step is then compiled)
 
 Every run: train_configs/debug_model.toml (its batch and sequence length unless overridden after `--`),
 deterministic kernels, memory tracking off, validation once after the last step, no tensorboard, dump folder in a
-temporary directory.
+temporary directory. Runs go one after the other in this process, or with `--jobs N` N at a time in child
+processes with cores/N torch threads each: the losses are the same either way (deterministic kernels at a fixed
+thread count), the times are not comparable.
 
 Output: one JSON object on stdout:
   machine    CPU, cores, torch threads and version, load average before
   config     steps, extra args
-  runs       {float32, bfloat16, float32_foreach: {"loss": [per-step training loss], "final_loss": mean of the
-              last 10 steps,
+  runs       {float32, bfloat16, bfloat16_nearest, float32_foreach: {"loss": [per-step training loss],
+              "final_loss": mean of the last 10 steps,
               "final_val_loss": validation loss after the last step, "params": parameter count,
               "optimizer_state_bytes": bytes of the optimizer's state tensors after the run (moments and step
               counters, summed over the tensors themselves), "step_s_median": median wall time of a step (the first
               excluded), "optimizer_step_s_median": median wall time of the optimizer step alone (after the run,
               random gradients, 10 steps after 2), "seconds": wall time of the run}}
-  bfloat16     against float32: "loss_rel_diff", per-step |loss / float32's - 1| (max, the step of the max, mean,
-               mean of the last 10 steps); "final_loss_rel_diff" and "final_val_loss_rel_diff", final_loss and
-               final_val_loss / float32's - 1 (the issue's bound: within 0.5%)
+  bfloat16     (stochastic rounding) against float32: "loss_rel_diff", per-step |loss / float32's - 1| (max, the
+               step of the max, mean, mean of the last 10 steps); "final_loss_rel_diff" and
+               "final_val_loss_rel_diff", final_loss and final_val_loss / float32's - 1 (the issue's bound: within
+               0.5%)
+  bfloat16_nearest  the same for the moments rounded to nearest
   noise_floor  the same for float32_foreach against float32: how far a last-bit difference of the optimizer moves
                the curve in this job (training is chaotic: routing decisions flip, and the runs part ways)
   optimizer_state_saved_bytes  float32 minus bfloat16 state bytes, and per parameter
@@ -32,7 +38,10 @@ Output: one JSON object on stdout:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import multiprocessing
+import os
 import json
 import statistics
 import sys
@@ -116,6 +125,14 @@ def run_state_dtype(state_dtype: str, steps: int, extra: list[str], folder: str,
             "seconds": time.perf_counter() - start}
 
 
+def _run_in_child(threads: int, *args) -> dict:
+    """`run_state_dtype` in a child process with `threads` torch threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    return run_state_dtype(*args)
+
+
 def compare(run: dict, base: dict) -> dict:
     """How far `run`'s curve lies from `base`'s: per step, and in its final training and validation losses."""
     rel = [abs(b / a - 1) for a, b in zip(base["loss"], run["loss"])]
@@ -134,21 +151,33 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--no-noise-floor", action="store_true", help="skip the float32 foreach run")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (child processes; CPU only)")
     opts = parser.parse_args(own)
-    report = {"machine": machine_info(), "config": {"steps": opts.steps, "device": opts.device, "args": extra},
-              "runs": {}}
-    runs = {"float32": ("float32", []), "bfloat16": ("bfloat16", [])}
+    if opts.jobs < 1 or (opts.jobs > 1 and opts.device != "cpu"):
+        parser.error("--jobs: 1 or more, and 1 with --device cuda (one GPU)")
+    report = {"machine": machine_info(), "config": {"steps": opts.steps, "device": opts.device, "args": extra,
+                                                    "jobs": opts.jobs}, "runs": {}}
+    runs = {"float32": ("float32", []), "bfloat16": ("bfloat16", []),
+            "bfloat16_nearest": ("bfloat16", ["--optimizer.state_rounding", "nearest"])}
     if not opts.no_noise_floor:
         runs["float32_foreach"] = ("float32", ["--optimizer.implementation", "foreach"])
     with tempfile.TemporaryDirectory() as folder:
-        for name, (state_dtype, own_flags) in runs.items():
-            report["runs"][name] = run_state_dtype(state_dtype, opts.steps, extra + own_flags,
-                                                   str(Path(folder) / name), opts.device)
-    fp32, bf16 = report["runs"]["float32"], report["runs"]["bfloat16"]
-    report["bfloat16"] = compare(bf16, fp32)
+        jobs = {name: (state_dtype, opts.steps, extra + own_flags, str(Path(folder) / name), opts.device)
+                for name, (state_dtype, own_flags) in runs.items()}
+        if opts.jobs == 1:
+            report["runs"] = {name: run_state_dtype(*job) for name, job in jobs.items()}
+        else:
+            threads = max(1, (os.cpu_count() or 1) // opts.jobs)
+            with concurrent.futures.ProcessPoolExecutor(opts.jobs, mp_context=multiprocessing.get_context("spawn")) \
+                    as pool:
+                futures = {name: pool.submit(_run_in_child, threads, *job) for name, job in jobs.items()}
+                report["runs"] = {name: future.result() for name, future in futures.items()}
+    fp32 = report["runs"]["float32"]
+    report["bfloat16"] = compare(report["runs"]["bfloat16"], fp32)
+    report["bfloat16_nearest"] = compare(report["runs"]["bfloat16_nearest"], fp32)
     if "float32_foreach" in report["runs"]:
         report["noise_floor"] = compare(report["runs"]["float32_foreach"], fp32)
-    saved = fp32["optimizer_state_bytes"] - bf16["optimizer_state_bytes"]
+    saved = fp32["optimizer_state_bytes"] - report["runs"]["bfloat16"]["optimizer_state_bytes"]
     report["optimizer_state_saved_bytes"] = {"bytes": saved, "per_param": saved / fp32["params"]}
     print(json.dumps(report))
     return report

@@ -1,6 +1,7 @@
 """The optimizer: tiling into parameter groups, bit-identical steps, the capped transient, LR schedule and state;
-BF16 moments (optimizer.state_dtype): the step against an fp64 reference, state dtypes and placements, checkpoints
-and their conversion, the memory saved (measured and planned), the loss curve, FSDP2 + DCP on 2 ranks.
+BF16 moments (optimizer.state_dtype): the step against an fp64 reference (moments rounded to nearest and
+stochastically), state dtypes and placements, checkpoints and their conversion, the memory saved (measured and
+planned), the loss curve, FSDP2 + DCP on 2 ranks, stochastic rounding alike on every layout.
 
 Run as a script, this file is the torchrun worker of the 2-rank test."""
 
@@ -8,13 +9,17 @@ import copy
 import logging
 import os
 import sys
+import zlib
 from types import SimpleNamespace
+
+import numpy as np
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from small_models import SMALL, TINY, hf_config_file
+from test_stochastic_rounding import lowbias32, reference_round
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from trainer.checkpoint.states import OptimizerState
@@ -23,6 +28,7 @@ from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory.monitor import MemoryMonitor
 from trainer.optimizer import (BF16MomentsAdamW, adamw_tensor_step, build_optimizer, skippable_tensor_step,
                                tile_params)
+from trainer.stochastic_rounding import CHUNK_ELEMENTS, TRANSIENT_BYTES_PER_ELEMENT
 from trainer.tools.memory_plan import plan
 from trainer.train import Trainer, prepare, run as train_run
 
@@ -32,9 +38,11 @@ WEIGHT_BYTES = 256 * 256 * FLOAT_BYTES
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def opt_cfg(max_group_bytes: int = 0, implementation: str = "foreach", state_dtype: str = "float32", **hyper):
+def opt_cfg(max_group_bytes: int = 0, implementation: str = "foreach", state_dtype: str = "float32",
+            state_rounding: str = "stochastic", **hyper):
     return SimpleNamespace(**{**dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1), **hyper},
-                           implementation=implementation, max_group_bytes=max_group_bytes, state_dtype=state_dtype)
+                           implementation=implementation, max_group_bytes=max_group_bytes, state_dtype=state_dtype,
+                           state_rounding=state_rounding)
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -162,9 +170,22 @@ def test_trainer_tiled_run_is_bit_identical(tmp_path):
 SHAPES = [(64, 32), (32,), (256, 4), (1,), (8, 8, 3)]
 
 
-def reference_adamw(params, grads_per_step, lr, betas, eps, weight_decay):
-    """AdamW in float64 written out plainly, the stored moments rounded to bfloat16 after every update: the
-    parameters after the steps and the final stored moments."""
+def reference_moment_rounding(rounding: str, name: str, step: int, tag: int, value: torch.Tensor) -> torch.Tensor:
+    """`value` (float64, exactly a float32) as the optimizer stores it in bfloat16: to nearest, or stochastically
+    with the random bits that docs/memory.md defines: the parameter's key crc32("<seed>:<name>") (seed 0), the salt
+    lowbias32(lowbias32(key ^ tag) ^ step), the element's index in the tensor."""
+    if rounding == "nearest":
+        return value.bfloat16().double()
+    key = np.array([zlib.crc32(f"0:{name}".encode())])
+    salt_ = int(lowbias32(lowbias32(key ^ np.uint32(tag)) ^ np.uint32(step))[0])
+    flat = value.float().reshape(-1)
+    return reference_round(flat, np.arange(flat.numel()), salt_).view(value.shape).double()
+
+
+def reference_adamw(params, grads_per_step, lr, betas, eps, weight_decay, rounding="nearest"):
+    """AdamW in float64 written out plainly, the stored moments rounded to bfloat16 after every update (parameter
+    names are their positions, as in an nn.ParameterList): the parameters after the steps and the final stored
+    moments."""
     b1, b2 = betas
     ps = [p.detach().double() for p in params]
     ms = [torch.zeros_like(p) for p in ps]
@@ -176,7 +197,8 @@ def reference_adamw(params, grads_per_step, lr, betas, eps, weight_decay):
             v = b2 * vs[i] + (1 - b2) * g * g
             m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
             ps[i] = ps[i] * (1 - lr * weight_decay) - lr * m_hat / (v_hat.sqrt() + eps)
-            ms[i], vs[i] = m.bfloat16().double(), v.bfloat16().double()
+            ms[i] = reference_moment_rounding(rounding, str(i), t, 0, m)
+            vs[i] = reference_moment_rounding(rounding, str(i), t, 1, v)
     return ps, ms, vs
 
 
@@ -189,13 +211,14 @@ def _tensors(seed: int = 0):
     return params, grads
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize("max_group_bytes", [0, 1024 * FLOAT_BYTES], ids=["whole", "tiled"])
 @pytest.mark.parametrize("implementation", ["foreach", "for-loop", "fused"])
-def test_bf16_moments_step_matches_an_fp64_reference(implementation, max_group_bytes):
-    cfg = opt_cfg(max_group_bytes, implementation, "bfloat16", lr=0.05, beta1=0.5, beta2=0.75)
+def test_bf16_moments_step_matches_an_fp64_reference(implementation, max_group_bytes, rounding):
+    cfg = opt_cfg(max_group_bytes, implementation, "bfloat16", rounding, lr=0.05, beta1=0.5, beta2=0.75)
     params, grads = _tensors()
     expected, exp_avgs, exp_avg_sqs = reference_adamw(params, grads, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps,
-                                                      cfg.weight_decay)
+                                                      cfg.weight_decay, rounding)
     optimizer = build_optimizer([params], cfg)
     assert isinstance(optimizer, BF16MomentsAdamW) and isinstance(optimizer, torch.optim.AdamW)
     assert len(optimizer.param_groups) == (1 if max_group_bytes == 0 else 4)
@@ -213,10 +236,19 @@ def test_bf16_moments_step_matches_an_fp64_reference(implementation, max_group_b
         torch.testing.assert_close(p.detach().double(), want, rtol=0, atol=2e-6)
 
 
-def test_bf16_moments_step_is_torch_adamw_up_to_the_rounding_of_the_moments():
+def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bfloat16 values at or below and at or above float32 `x` in magnitude (equal where x is one)."""
+    low = (x.view(torch.int32) & -65536).view(torch.float32)
+    high = torch.where(low == x, low, (low.view(torch.int32) + 65536).view(torch.float32))
+    return low, high
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_bf16_moments_step_is_torch_adamw_up_to_the_rounding_of_the_moments(rounding):
     """Default hyperparameters, the same gaussian gradients into both: the first update equals torch's AdamW with
-    float32 state (whose moments, rounded, are the stored ones); later ones differ only through that rounding."""
-    cfg = opt_cfg(0, "fused", "bfloat16")
+    float32 state (whose moments, rounded to nearest or to one of their two bfloat16 neighbours, are the stored
+    ones); later ones differ only through that rounding."""
+    cfg = opt_cfg(0, "fused", "bfloat16", rounding)
     params, _ = _tensors()
     reference = copy.deepcopy(params)
     optimizer = build_optimizer([params], cfg)
@@ -234,7 +266,12 @@ def test_bf16_moments_step_is_torch_adamw_up_to_the_rounding_of_the_moments():
             for p, q in zip(params, reference):
                 torch.testing.assert_close(p, q, rtol=0, atol=3e-8)  # fp32 scalars in one, doubles in the other
                 for key in MOMENTS:
-                    assert torch.equal(optimizer.state[p][key], torch_adamw.state[q][key].bfloat16())
+                    stored, exact = optimizer.state[p][key].float(), torch_adamw.state[q][key]
+                    if rounding == "nearest":
+                        assert torch.equal(stored, exact.bfloat16().float())
+                    else:
+                        low, high = _bf16_neighbours(exact)
+                        assert ((stored == low) | (stored == high)).all()
     # an update is at most ~1.2 lr (|m| <= 1.2 sqrt(v) at these betas); a moment rounded by up to 2^-9 of itself
     # changes it by ~2^-9 of that, every step
     worst = max((p - q).abs().max().item() for p, q in zip(params, reference))
@@ -286,29 +323,35 @@ def test_checkpoint_of_the_other_state_dtype_converts_with_a_notice(tmp_path, sa
     run(model, loader, 1)  # and it trains on
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize("implementation, max_group_bytes", [("fused", 0), ("for-loop", 0), ("foreach", 0),
                                                              ("foreach", LAYER_BYTES)])
-def test_bf16_moments_memory_measured_exactly(implementation, max_group_bytes):
+def test_bf16_moments_memory_measured_exactly(implementation, max_group_bytes, rounding):
     """The exact tracker on 8 linear layers: half the state, and the step's transient is float32 copies of both
-    moments, of the largest tensor (one tensor at a time) or of the group (foreach), as the memory plan counts it."""
+    moments, of the largest tensor (one tensor at a time) or of the group (foreach), plus stochastic rounding's
+    temporaries for one chunk of a tensor, as the memory plan counts it."""
     param_bytes = 8 * LAYER_BYTES
     measured = {}
     for state_dtype in ("float32", "bfloat16"):
         model = make_model()
-        optimizer = build_optimizer([model], opt_cfg(max_group_bytes, implementation, state_dtype))
+        optimizer = build_optimizer([model], opt_cfg(max_group_bytes, implementation, state_dtype, rounding))
         monitor = MemoryMonitor("cpu", mode="exact")
         monitor.track(model, optimizer)
         with monitor:
             peaks = run(model, optimizer, 2, monitor)
         measured[state_dtype] = (monitor.last_stats.breakdown["optimizer_state"], peaks[-1])
     (state32, _), (state16, peak16) = measured["float32"], measured["bfloat16"]
-    # 16 float32 step counters in both; the bfloat16 optimizer's 0-d learning rate is 4 bytes more
+    # 16 float32 step counters in both; the bfloat16 optimizer's 0-d learning rate is 4 bytes more, and with
+    # stochastic rounding each parameter's key and base index (0-d int64) 16 bytes each
     assert state32 == 2 * param_bytes + 16 * FLOAT_BYTES
-    assert state16 == param_bytes + 16 * FLOAT_BYTES + FLOAT_BYTES
+    assert state16 == param_bytes + 16 * FLOAT_BYTES + FLOAT_BYTES + (16 * 16 if rounding == "stochastic" else 0)
     copied = 2 * ({"foreach": param_bytes if max_group_bytes == 0 else LAYER_BYTES}.get(implementation, WEIGHT_BYTES))
+    if rounding == "stochastic":
+        copied += min(WEIGHT_BYTES // FLOAT_BYTES, CHUNK_ELEMENTS) * TRANSIENT_BYTES_PER_ELEMENT
     # parameters, gradients, both bfloat16 moments (= the parameters' bytes) and the copies; 0-d scalars on top
-    # (16 step counters, the lr, and foreach's three bias-correction lists: 4 + 16 x 4 x 4 bytes at most, 260)
-    assert 0 <= peak16 - (3 * param_bytes + copied) <= 512
+    # (16 step counters, the lr, and foreach's three bias-correction lists: 4 + 16 x 4 x 4 bytes at most, 260;
+    # stochastic rounding's 0-d salts)
+    assert 0 <= peak16 - (3 * param_bytes + copied) <= 576
 
 
 def test_found_inf_skips_the_bf16_step():
@@ -341,11 +384,37 @@ def test_found_inf_skips_the_bf16_step():
         assert all(torch.equal(a, b) for a, b in zip((p, m, v, step), plain))
 
 
+def test_compiled_form_of_the_stochastic_step_equals_the_eager_one():
+    """The fused CUDA kernel's form (`skippable_tensor_step`, the rounding's base index a tensor, one pass in int64)
+    traced by dynamo into one graph for every size (aot_eager here; inductor on CUDA in the cuda test) stores the
+    moments bit for bit as the eager step (base an int, int32 chunks), from a global index past 2^32 on."""
+    from torch._dynamo.utils import counters
+
+    hyper = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(skippable_tensor_step, dynamic=True, fullgraph=True, backend="aot_eager")
+    key, base = torch.tensor(123456789), 2 ** 32 - 500
+    for n in (1000, CHUNK_ELEMENTS + 9, 3000):
+        gen = torch.Generator().manual_seed(n)
+        p, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        m, v = torch.randn(n, generator=gen).bfloat16(), torch.rand(n, generator=gen).bfloat16()
+        eager = [t.clone() for t in (p, m, v)] + [torch.tensor(4.0)]
+        step = torch.tensor(4.0)
+        compiled(p, grad, m, v, step, torch.tensor(1e-2), torch.tensor(0.0), rounding=(key, torch.tensor(base)),
+                 **hyper)
+        adamw_tensor_step(eager[0], grad, *eager[1:], torch.tensor(1e-2), rounding=(key, base), **hyper)
+        assert torch.equal(m, eager[1]) and torch.equal(v, eager[2]) and torch.equal(step, eager[3])
+        torch.testing.assert_close(p, eager[0], rtol=0, atol=1e-6)  # decompositions may differ in the last bit
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 @pytest.mark.cuda
 def test_cuda_compiled_bf16_step_matches_the_eager_one_and_compiles_once():
-    """The fused step on CUDA is `skippable_tensor_step` compiled (dynamic shapes, lr and step as tensors): equal
-    to the same math run eagerly on CPU up to float32 rounding, one graph (two at most: 1-element tensors) for
-    every tensor and step, and found_inf skips inside the kernel."""
+    """The fused step on CUDA is `skippable_tensor_step` compiled (dynamic shapes, lr and step as tensors, the
+    stochastic rounding's bits computed in the kernel): equal to the same math run eagerly on CPU up to float32
+    rounding (a last-bit difference can flip a stochastic rounding: one bfloat16 step), one graph (two at most:
+    1-element tensors) for every tensor and step, and found_inf skips inside the kernel."""
     from torch._dynamo.utils import counters
 
     params, grads = _tensors()
@@ -400,11 +469,13 @@ def test_bf16_moments_save_what_the_memory_plan_predicts_on_the_small_model(tmp_
         finally:
             trainer.close()
         n_params = sum(p.numel() for p in trainer.model_parts[0].parameters())
+        n_tensors = len(list(trainer.model_parts[0].parameters()))
         measured[state_dtype] = (trainer.memory.last_stats.breakdown["optimizer_state"],
                                  round(history[-1]["memory/peak_allocated_GiB"] * 2 ** 30))
     (state32, peak32), (state16, peak16) = measured["float32"], measured["bfloat16"]
     plan32, plan16 = planned["float32"], planned["bfloat16"]
-    assert state32 - state16 == 4 * n_params - FLOAT_BYTES  # less the bfloat16 optimizer's 0-d learning rate
+    # less the bfloat16 optimizer's 0-d learning rate and each parameter's 0-d int64 key and base of its rounding
+    assert state32 - state16 == 4 * n_params - FLOAT_BYTES - 16 * n_tensors
     assert plan32["optimizer_state_bytes"] - plan16["optimizer_state_bytes"] == 4 * n_params
     assert (plan32["peak_phase"], plan16["peak_phase"]) == ("backward_layer_1", "optimizer_step")
     # what the plan leaves out at the optimizer step: 0-d tensors (step counters, lr, bias corrections, the loss)
@@ -432,7 +503,8 @@ def test_bf16_moments_loss_curve_stays_within_half_a_percent(tmp_path):
 def test_fsdp2_dcp_resume_converts_state_dtype_both_ways(tmp_path):
     """2 gloo ranks, FSDP2 over both, SMALL: bfloat16 moments are DTensors placed like their parameters; a
     checkpoint of each state dtype resumes into the other, each rank's shards converted exactly (see the worker),
-    with one note from rank 0, and training goes on."""
+    with one note from rank 0, and training goes on. Stochastic rounding stores the same moments sharded as whole
+    (`_rounding_alike_on_a_sharded_layout`)."""
     from dist_utils import torchrun_json
 
     jobs = {"args": _small_args(tmp_path, "--memory.track", "off", "--checkpoint.enable", "true",
@@ -444,6 +516,37 @@ def test_fsdp2_dcp_resume_converts_state_dtype_both_ways(tmp_path):
                                    f"this run keeps them in {loaded} (optimizer.state_dtype)"]
         assert result["resumed_at"] == 2 and len(result["losses"]) == 1
         assert result["placements_match"] and result["shards_converted_exactly"]
+    assert results["rounding_alike_on_every_layout"]
+
+
+def _rounding_alike_on_a_sharded_layout() -> bool:
+    """On every rank: parameters as DTensors sharded along dim 0 (as FSDP2 and EP shard them; 7 rows, so unevenly)
+    and the same parameters whole in one process store the same stochastically rounded moments, shard for shard;
+    a parameter sharded along dim 1 is refused in one line naming it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    params, grads = _tensors()
+    whole = nn.ParameterDict({f"w{i}": p for i, p in enumerate(params)})
+    sharded = nn.ParameterDict({name: nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)]))
+                                for name, p in whole.items()})
+    cfg = opt_cfg(0, "for-loop", "bfloat16")
+    opt_whole, opt_sharded = build_optimizer([whole], cfg), build_optimizer([sharded], cfg)
+    for step_grads in grads:
+        for (name, p), g in zip(whole.items(), step_grads):
+            p.grad = g.clone()
+            sharded[name].grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+        opt_whole.step()
+        opt_sharded.step()
+    alike = all(torch.equal(opt_sharded.state[sharded[name]][k].full_tensor(), opt_whole.state[p][k])
+                for name, p in whole.items() for k in MOMENTS)
+    by_columns = nn.ParameterDict({"cols": nn.Parameter(distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)]))})
+    with pytest.raises(ValueError, match=r"parameter cols is sharded as \(Shard\(dim=1\),\), not along dim 0 only; "
+                                         r"allowed with it: nearest"):
+        build_optimizer([by_columns], cfg)
+    return alike
 
 
 def _worker(jobs_path: str, out_path: str) -> None:
@@ -471,6 +574,7 @@ def _worker(jobs_path: str, out_path: str) -> None:
         return {name: {k: state[p][k].to_local().clone() for k in MOMENTS} for name, p in named.items()}, placed
 
     with worker_session(jobs_path, out_path) as (jobs, results):
+        results["rounding_alike_on_every_layout"] = _rounding_alike_on_a_sharded_layout()
         for saved, loaded in (("bfloat16", "float32"), ("float32", "bfloat16")):
             args = jobs["args"] + ["--job.dump_folder", os.path.join(jobs["dump"], saved)]
             first = trainer(args + ["--training.steps", "2", "--optimizer.state_dtype", saved])

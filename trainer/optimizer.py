@@ -13,12 +13,15 @@ group. The result is still a plain ``torch.optim.AdamW``: LR schedulers set ``lr
 BF16 moments (``state_dtype = "bfloat16"``): AdamW's two moments are stored in bfloat16 while the parameters (the
 master weights) stay float32, as DeepSeek-V3 trains (technical report, section 3.3): 4 instead of 8 bytes of state
 per parameter. torch's foreach and fused AdamW group tensors by dtype and cannot mix float32 parameters with
-bfloat16 state, so ``BF16MomentsAdamW`` steps itself; see its docstring.
+bfloat16 state, so ``BF16MomentsAdamW`` steps itself; see its docstring. The stored moments are rounded
+stochastically by default (``state_rounding``, ``trainer/stochastic_rounding.py``): rounded to nearest, a moment
+that moves by less than half a bfloat16 step per update stalls, and the training curve drifts from float32's.
 """
 
 from __future__ import annotations
 
 import functools
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from core.config import option
+from trainer.stochastic_rounding import round_to_bf16, salt, shard_index_base, stochastic_round_
 
 
 @dataclass
@@ -56,10 +60,16 @@ class OptimizerSection:
     parameter in the step, whose math stays float32 (docs/memory.md, "BF16 optimizer moments"). Keep 1 - beta2 well
     above bfloat16's rounding (2^-9): at beta2 = 0.999 the stored second moment could no longer decay. A checkpoint
     of the other dtype resumes, converted."""
+    state_rounding: str = option("stochastic", choices=["stochastic", "nearest"])
+    """How bfloat16 moments are stored after each update (float32 moments are not rounded): stochastic (rounds up
+    with probability equal to the remainder, so small updates survive on average; reproducible: the random bits
+    hash the parameter's name, the seed, the step and the element's global index, so every layout and a resume
+    round alike) or nearest (round to nearest even, which lets a slowly moving moment stall; measured in
+    docs/memory.md, "BF16 optimizer moments")."""
 
 
 __all__ = ["BF16MomentsAdamW", "STATE_DTYPES", "adamw_foreach_step", "adamw_tensor_step", "build_optimizer",
-           "local_nbytes", "skippable_tensor_step", "tile_params"]
+           "local_nbytes", "skippable_tensor_step", "store_moment", "tile_params"]
 
 #: `optimizer.state_dtype` -> the moments' dtype
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -99,16 +109,34 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def store_moment(dst: torch.Tensor, value: torch.Tensor, step: torch.Tensor, tag: int, rounding) -> None:
+    """``dst`` (a stored moment) := float32 ``value``: rounded to nearest where ``rounding`` is None, else
+    stochastically, with ``rounding = (key, base)``: the parameter's 0-d int64 key and the global index of its local
+    part's first element, an int (eagerly, a chunk at a time) or a 0-d int64 tensor (in a compiled kernel, in one
+    pass whose random bits cost no memory traffic). ``tag`` tells the two moments apart."""
+    if rounding is None:
+        dst.copy_(value)
+        return
+    key, base = rounding
+    salt_ = salt(key, step, tag)
+    if isinstance(base, torch.Tensor):
+        index = torch.arange(value.numel(), dtype=torch.int64, device=value.device).view(value.shape) + base
+        dst.copy_(round_to_bf16(value, index, salt_))
+    else:
+        stochastic_round_(dst, value, base, salt_)
+
+
 def adamw_tensor_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                       step: torch.Tensor, lr: torch.Tensor, beta1: float, beta2: float, eps: float,
-                      weight_decay: float) -> None:
+                      weight_decay: float, rounding=None) -> None:
     """One AdamW update of one tensor whose moments are stored in low precision; the math in float32.
 
     ``param``, ``grad``: float32; ``exp_avg``, ``exp_avg_sq``: the stored moments, updated in place; ``step``: the
-    tensor's 0-d float32 step counter, incremented here; ``lr``: a 0-d float32 tensor. The moments are upcast,
-    updated, used for the parameter's update in float32 and stored rounded back: torch's AdamW with float32 state
-    (same order of operations) but for the rounding of what is stored. The values that change from step to step
-    (``lr``, ``step``) are tensors, so that a compiled copy runs every step without recompiling.
+    tensor's 0-d float32 step counter, incremented here; ``lr``: a 0-d float32 tensor; ``rounding``: how the moments
+    are stored (``store_moment``). The moments are upcast, updated, used for the parameter's update in float32 and
+    stored rounded back: torch's AdamW with float32 state (same order of operations) but for the rounding of what
+    is stored. The values that change from step to step (``lr``, ``step``) are tensors, so that a compiled copy runs
+    every step without recompiling.
     """
     step.add_(1)
     bias_correction1 = 1 - beta1 ** step
@@ -116,17 +144,18 @@ def adamw_tensor_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     param.mul_(1 - lr * weight_decay)
     m = exp_avg.to(torch.float32, copy=True).lerp_(grad, 1 - beta1)
     v = exp_avg_sq.to(torch.float32, copy=True).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    exp_avg.copy_(m)
-    exp_avg_sq.copy_(v)
+    store_moment(exp_avg, m, step, 0, rounding)
+    store_moment(exp_avg_sq, v, step, 1, rounding)
     denom = v.sqrt_().div_(bias_correction2_sqrt).add_(eps)
     param.sub_(m.div_(denom).mul_(lr / bias_correction1))
 
 
 def adamw_foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                        exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], lr: torch.Tensor, beta1: float,
-                       beta2: float, eps: float, weight_decay: float) -> None:
+                       beta2: float, eps: float, weight_decay: float, roundings: list | None = None) -> None:
     """``adamw_tensor_step`` over lists of tensors of one device with torch's multi-tensor kernels (the same
-    operations in the same order). The float32 copies of every listed tensor's moments exist at once."""
+    operations in the same order; the stochastic rounding, given ``roundings`` per tensor, one tensor at a time).
+    The float32 copies of every listed tensor's moments exist at once."""
     torch._foreach_add_(steps, 1)
     bias_correction1 = torch._foreach_pow(beta1, steps)
     torch._foreach_neg_(bias_correction1)
@@ -142,8 +171,13 @@ def adamw_foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], ex
     torch._foreach_lerp_(ms, grads, 1 - beta1)
     torch._foreach_mul_(vs, beta2)
     torch._foreach_addcmul_(vs, grads, grads, value=1 - beta2)
-    torch._foreach_copy_(exp_avgs, ms)
-    torch._foreach_copy_(exp_avg_sqs, vs)
+    if roundings is None:
+        torch._foreach_copy_(exp_avgs, ms)
+        torch._foreach_copy_(exp_avg_sqs, vs)
+    else:
+        for m, v, m32, v32, step, rounding in zip(exp_avgs, exp_avg_sqs, ms, vs, steps, roundings):
+            store_moment(m, m32, step, 0, rounding)
+            store_moment(v, v32, step, 1, rounding)
     torch._foreach_sqrt_(vs)
     torch._foreach_div_(vs, bias_correction2_sqrt)
     torch._foreach_add_(vs, eps)
@@ -153,13 +187,14 @@ def adamw_foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], ex
 
 
 def skippable_tensor_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                          step: torch.Tensor, lr: torch.Tensor, found_inf: torch.Tensor, **hyperparameters) -> None:
+                          step: torch.Tensor, lr: torch.Tensor, found_inf: torch.Tensor, rounding=None,
+                          **hyperparameters) -> None:
     """``adamw_tensor_step`` that leaves every tensor as it was where the 0-d ``found_inf`` is nonzero: a
     non-finite step skipped on the device, without a host sync (the ``found_inf`` protocol of torch's fused AdamW
     and GradScaler). Meant to be compiled: there the saved values are loads of the same fused kernel, not copies."""
     tensors = (param, exp_avg, exp_avg_sq, step)
     saved = [t.clone() for t in tensors]
-    adamw_tensor_step(param, grad, exp_avg, exp_avg_sq, step, lr, **hyperparameters)
+    adamw_tensor_step(param, grad, exp_avg, exp_avg_sq, step, lr, rounding=rounding, **hyperparameters)
     skip = found_inf != 0
     for t, old in zip(tensors, saved):
         t.copy_(torch.where(skip, old, t))
@@ -175,8 +210,10 @@ class BF16MomentsAdamW(torch.optim.AdamW):
     """AdamW with float32 parameters and bfloat16 moments (``optimizer.state_dtype = "bfloat16"``).
 
     Each tensor's moments are upcast, updated and used in float32, and stored rounded to bfloat16
-    (``adamw_tensor_step``): the update is torch's AdamW with float32 state but for that rounding. Kernels, by
-    ``implementation``:
+    (``adamw_tensor_step``): the update is torch's AdamW with float32 state but for that rounding, stochastic or to
+    nearest (``state_rounding``). Stochastic rounding draws its bits from a hash of the parameter's name (``names``,
+    else its position), ``seed``, the step counter and the element's global index (``trainer/stochastic_rounding.py``):
+    every layout, every kernel below and a resumed run round alike. Kernels, by ``implementation``:
 
     * ``fused``: one tensor at a time. On CUDA ``skippable_tensor_step`` compiled with torch.compile (1-D views,
       dynamic shapes, lr, step and ``found_inf`` as device tensors: one graph for every tensor and step), one fused
@@ -198,11 +235,27 @@ class BF16MomentsAdamW(torch.optim.AdamW):
 
     state_dtype = torch.bfloat16
 
-    def __init__(self, params, implementation: str = "fused", **hyperparameters):
+    def __init__(self, params, implementation: str = "fused", state_rounding: str = "stochastic", seed: int = 0,
+                 names: dict[torch.Tensor, str] | None = None, **hyperparameters):
         if implementation not in ("fused", "foreach", "for-loop"):
             raise ValueError(f"implementation {implementation!r}: allowed fused, foreach, for-loop")
+        if state_rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"state_rounding {state_rounding!r}: allowed stochastic, nearest")
         super().__init__(params, foreach=False, fused=False, **hyperparameters)
         self.implementation = implementation
+        self.state_rounding = state_rounding
+        # per parameter: (key of its random bits, global index of its local part's first element)
+        self._sites: dict[torch.Tensor, tuple[int, int]] = {}
+        self._site_tensors: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        if state_rounding == "stochastic":
+            params_in_order = [p for g in self.param_groups for p in g["params"]]
+            for i, p in enumerate(params_in_order):
+                name = (names or {}).get(p, str(i))
+                base = shard_index_base(p)
+                if base is None:
+                    raise ValueError(f"optimizer.state_rounding = stochastic: parameter {name} is sharded as "
+                                     f"{p.placements}, not along dim 0 only; allowed with it: nearest")
+                self._sites[p] = (zlib.crc32(f"{seed}:{name}".encode()), base)
         self._step_supports_amp_scaling = implementation == "fused"  # it takes found_inf, as torch's fused does
         self._lrs: dict[torch.device, torch.Tensor] = {}  # a 0-d lr per device, refilled per group
         self._no_inf: dict[torch.device, torch.Tensor] = {}
@@ -220,6 +273,17 @@ class BF16MomentsAdamW(torch.optim.AdamW):
         if device not in self._no_inf:
             self._no_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
         return self._no_inf[device]
+
+    def _rounding(self, p: torch.Tensor, compiled: bool):
+        """``rounding`` of ``store_moment`` for ``p``: None to nearest; else its key as a 0-d tensor on its device and
+        its base, as a 0-d tensor too for the compiled kernel (one graph for every parameter)."""
+        if self.state_rounding == "nearest":
+            return None
+        if p not in self._site_tensors:
+            device = _local(p).device
+            self._site_tensors[p] = tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in self._sites[p])
+        key, base = self._site_tensors[p]
+        return key, (base if compiled else self._sites[p][1])
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -258,19 +322,22 @@ class BF16MomentsAdamW(torch.optim.AdamW):
                        for p, s in zip(params, states)]
             if self.implementation == "foreach":
                 by_device: dict[torch.device, list] = {}
-                for ts in tensors:
-                    by_device.setdefault(ts[0].device, []).append(ts)
+                for param, ts in zip(params, tensors):
+                    by_device.setdefault(ts[0].device, []).append(ts + [self._rounding(param, compiled=False)])
                 for device, rows in by_device.items():
-                    adamw_foreach_step(*map(list, zip(*rows)), self._lr(device, group["lr"]), **hyper)
+                    *lists, roundings = map(list, zip(*rows))
+                    adamw_foreach_step(*lists, self._lr(device, group["lr"]), **hyper,
+                                       roundings=None if self.state_rounding == "nearest" else roundings)
                 continue
-            for p, g, m, v, step in tensors:
+            for param, (p, g, m, v, step) in zip(params, tensors):
                 lr = self._lr(p.device, group["lr"])
                 if self.implementation == "fused" and p.device.type == "cuda":
                     if all(t.is_contiguous() for t in (p, g, m, v)):
                         p, g, m, v = (t.view(-1) for t in (p, g, m, v))
-                    _compiled_tensor_step()(p, g, m, v, step, lr, self._found_inf(p.device), **hyper)
+                    _compiled_tensor_step()(p, g, m, v, step, lr, self._found_inf(p.device),
+                                            rounding=self._rounding(param, compiled=True), **hyper)
                 else:
-                    adamw_tensor_step(p, g, m, v, step, lr, **hyper)
+                    adamw_tensor_step(p, g, m, v, step, lr, rounding=self._rounding(param, compiled=False), **hyper)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -290,17 +357,20 @@ class BF16MomentsAdamW(torch.optim.AdamW):
                 state["step"] = state["step"].to(dtype=torch.float32, device=_local(params[pid]).device)
 
 
-def build_optimizer(model_parts: list[nn.Module], cfg) -> torch.optim.Optimizer:
+def build_optimizer(model_parts: list[nn.Module], cfg, seed: int = 0) -> torch.optim.Optimizer:
     """AdamW over the parameters of every model part; `cfg` is the `[optimizer]` section.
 
     With ``cfg.max_group_bytes > 0`` the parameters are split into groups of at most that many bytes (see the
     module docstring); every group has the same hyperparameters. ``cfg.state_dtype = "bfloat16"`` gives a
-    ``BF16MomentsAdamW``, float32 torch's own AdamW.
+    ``BF16MomentsAdamW`` (its stochastic rounding keyed by the parameters' names and ``seed``), float32 torch's own
+    AdamW.
     """
-    params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    names = {p: name for part in model_parts for name, p in part.named_parameters() if p.requires_grad}
+    params = list(names)
     groups = [{"params": tile} for tile in tile_params(params, cfg.max_group_bytes)]
     hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.state_dtype == "bfloat16":
-        return BF16MomentsAdamW(groups, implementation=cfg.implementation, **hyper)
+        return BF16MomentsAdamW(groups, implementation=cfg.implementation, state_rounding=cfg.state_rounding,
+                                seed=seed, names=names, **hyper)
     impl = {"foreach": dict(foreach=True), "for-loop": dict(foreach=False), "fused": dict(fused=True)}
     return torch.optim.AdamW(groups, **hyper, **impl[cfg.implementation])

@@ -119,7 +119,7 @@ class Trainer:
         if cfg.checkpoint.initial_load_in_hf:
             self._load_hf_weights(cfg.checkpoint.initial_load_path)
         # one optimizer per model part: checkpoints key optimizer state by parameter name, whatever the layout
-        self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.model_parts]
+        self.optimizers = [build_optimizer([part], cfg.optimizer, cfg.training.seed) for part in self.model_parts]
         self.lr_schedulers = [build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)
                               for opt in self.optimizers]
         # torch's flag for an optimizer that takes `found_inf` (fused AdamW): a non-finite step is skipped on the device

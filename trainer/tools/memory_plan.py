@@ -48,6 +48,7 @@ from core.loss import chunk_rows
 from core.memory_types import Item, Shape
 from trainer.optimizer import STATE_DTYPES
 from trainer.registry import get_model_spec
+from trainer.stochastic_rounding import CHUNK_ELEMENTS, TRANSIENT_BYTES_PER_ELEMENT
 from trainer.tools.step_time import Hardware, recompute_seconds
 
 __all__ = ["budget_refusal", "choose_ac", "describe_choices", "plan", "main"]
@@ -132,16 +133,20 @@ def _optimizer_transient(cfg, param_bytes: int, largest_local_param: int, device
     """Foreach AdamW allocates one parameter-sized temporary per group; fused and for-loop almost nothing. With
     bf16 moments (`BF16MomentsAdamW`) the step holds float32 copies of both moments instead: of one tensor when
     it steps a tensor at a time eagerly (for-loop; fused off CUDA), of the group with foreach; none in the compiled
-    fused kernel on CUDA."""
+    fused kernel on CUDA. Eager stochastic rounding adds its temporaries for one chunk of the largest tensor."""
     opt = cfg.optimizer
     copies = 2 if opt.state_dtype == "bfloat16" else 1
+    compiled = opt.implementation == "fused" and device == "cuda"
+    rounding = 0
+    if copies == 2 and opt.state_rounding == "stochastic" and not compiled:
+        rounding = min(largest_local_param // 4, CHUNK_ELEMENTS) * TRANSIENT_BYTES_PER_ELEMENT
     if opt.implementation == "fused":
-        return 2 * largest_local_param if copies == 2 and device != "cuda" else 0
+        return 0 if copies == 1 or compiled else 2 * largest_local_param + rounding
     if opt.implementation == "for-loop":
-        return copies * largest_local_param
+        return copies * largest_local_param + rounding
     if opt.max_group_bytes > 0:
-        return copies * min(param_bytes, max(opt.max_group_bytes, largest_local_param))
-    return copies * param_bytes
+        return copies * min(param_bytes, max(opt.max_group_bytes, largest_local_param)) + rounding
+    return copies * param_bytes + rounding
 
 
 _STAGES: dict[tuple, tuple] = {}
