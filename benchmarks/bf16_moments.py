@@ -5,7 +5,8 @@ differently in the last bit).
 
     python benchmarks/bf16_moments.py                        # debug model as configured, 200 steps, four runs
     python benchmarks/bf16_moments.py --jobs 2               # two runs at a time, a torch thread each
-    python benchmarks/bf16_moments.py --steps 3 --no-noise-floor  # a smoke run
+    python benchmarks/bf16_moments.py --seeds 0,1,2 --runs float32,bfloat16,float32_foreach  # per seed
+    python benchmarks/bf16_moments.py --steps 3 --runs float32,bfloat16  # a smoke run
     python benchmarks/bf16_moments.py -- --training.seq_len 64   # extra trainer flags go to every run
     python benchmarks/bf16_moments.py --device cuda          # on a GPU (the fused bf16 step is then compiled)
 
@@ -17,22 +18,23 @@ thread count), the times are not comparable.
 
 Output: one JSON object on stdout:
   machine    CPU, cores, torch threads and version, load average before
-  config     steps, extra args
-  runs       {float32, bfloat16, bfloat16_nearest, float32_foreach: {"loss": [per-step training loss],
-              "final_loss": mean of the last 10 steps,
-              "final_val_loss": validation loss after the last step, "params": parameter count,
-              "optimizer_state_bytes": bytes of the optimizer's state tensors after the run (moments and step
-              counters, summed over the tensors themselves), "step_s_median": median wall time of a step (the first
-              excluded), "optimizer_step_s_median": median wall time of the optimizer step alone (after the run,
-              random gradients, 10 steps after 2), "seconds": wall time of the run}}
-  bfloat16     (stochastic rounding) against float32: "loss_rel_diff", per-step |loss / float32's - 1| (max, the
-               step of the max, mean, mean of the last 10 steps); "final_loss_rel_diff" and
-               "final_val_loss_rel_diff", final_loss and final_val_loss / float32's - 1 (the issue's bound: within
-               0.5%)
-  bfloat16_nearest  the same for the moments rounded to nearest
-  noise_floor  the same for float32_foreach against float32: how far a last-bit difference of the optimizer moves
-               the curve in this job (training is chaotic: routing decisions flip, and the runs part ways)
-  optimizer_state_saved_bytes  float32 minus bfloat16 state bytes, and per parameter
+  config     steps, device, extra args, jobs, runs, seeds
+  seeds      per training.seed:
+    runs             {float32, bfloat16, bfloat16_nearest, float32_foreach (those asked for): {"loss": [per-step
+                     training loss], "final_loss": mean of the last 10 steps, "final_val_loss": validation loss after
+                     the last step, "params": parameter count, "optimizer_state_bytes": bytes of the optimizer's state
+                     tensors after the run (moments and step counters, summed over the tensors themselves),
+                     "step_s_median": median wall time of a step (the first excluded), "optimizer_step_s_median":
+                     median wall time of the optimizer step alone (after the run, random gradients, 10 steps after
+                     2), "seconds": wall time of the run}}
+    against_float32  per other run: "loss_rel_diff", per-step |loss / float32's - 1| (max, the step of the max,
+                     mean, mean of the last 10 steps); "final_loss_rel_diff" and "final_val_loss_rel_diff",
+                     final_loss and final_val_loss / float32's - 1 (the issue's bound: within 0.5%).
+                     bfloat16 is stochastic rounding, bfloat16_nearest rounding to nearest; float32_foreach is the
+                     noise floor: how far a last-bit difference of the optimizer moves the curve in this job
+                     (training is chaotic: routing decisions flip, and the runs part ways)
+  over_seeds       per other run: mean, min, max and the values over the seeds of both final differences
+  optimizer_state_saved_bytes  float32 minus bfloat16 state bytes, and per parameter (first seed)
 """
 
 from __future__ import annotations
@@ -144,41 +146,62 @@ def compare(run: dict, base: dict) -> dict:
             "final_val_loss_rel_diff": run["final_val_loss"] / base["final_val_loss"] - 1}
 
 
+#: the runs the benchmark knows: name -> (optimizer.state_dtype, extra flags)
+RUNS = {"float32": ("float32", []), "bfloat16": ("bfloat16", []),
+        "bfloat16_nearest": ("bfloat16", ["--optimizer.state_rounding", "nearest"]),
+        "float32_foreach": ("float32", ["--optimizer.implementation", "foreach"])}
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, smallest, largest and every value of a per-seed quantity."""
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "values": values}
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     own, extra = split_passthrough(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--no-noise-floor", action="store_true", help="skip the float32 foreach run")
+    parser.add_argument("--runs", default=",".join(RUNS),
+                        help="comma-separated, float32 among them (the base of every comparison); of "
+                        + ", ".join(RUNS))
+    parser.add_argument("--seeds", default="0", help="comma-separated training.seed values: every run per seed")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (child processes; CPU only)")
     opts = parser.parse_args(own)
+    names = opts.runs.split(",")
+    if "float32" not in names or not set(names) <= set(RUNS):
+        parser.error(f"--runs {opts.runs}: float32 and any of {', '.join(RUNS)}")
     if opts.jobs < 1 or (opts.jobs > 1 and opts.device != "cpu"):
         parser.error("--jobs: 1 or more, and 1 with --device cuda (one GPU)")
+    seeds = [int(seed) for seed in opts.seeds.split(",")]
     report = {"machine": machine_info(), "config": {"steps": opts.steps, "device": opts.device, "args": extra,
-                                                    "jobs": opts.jobs}, "runs": {}}
-    runs = {"float32": ("float32", []), "bfloat16": ("bfloat16", []),
-            "bfloat16_nearest": ("bfloat16", ["--optimizer.state_rounding", "nearest"])}
-    if not opts.no_noise_floor:
-        runs["float32_foreach"] = ("float32", ["--optimizer.implementation", "foreach"])
+                                                    "jobs": opts.jobs, "runs": names, "seeds": seeds}}
     with tempfile.TemporaryDirectory() as folder:
-        jobs = {name: (state_dtype, opts.steps, extra + own_flags, str(Path(folder) / name), opts.device)
-                for name, (state_dtype, own_flags) in runs.items()}
+        jobs = {(seed, name): (RUNS[name][0], opts.steps, extra + RUNS[name][1] + ["--training.seed", str(seed)],
+                               str(Path(folder) / f"{seed}_{name}"), opts.device)
+                for seed in seeds for name in names}
         if opts.jobs == 1:
-            report["runs"] = {name: run_state_dtype(*job) for name, job in jobs.items()}
+            results = {key: run_state_dtype(*job) for key, job in jobs.items()}
         else:
             threads = max(1, (os.cpu_count() or 1) // opts.jobs)
             with concurrent.futures.ProcessPoolExecutor(opts.jobs, mp_context=multiprocessing.get_context("spawn")) \
                     as pool:
-                futures = {name: pool.submit(_run_in_child, threads, *job) for name, job in jobs.items()}
-                report["runs"] = {name: future.result() for name, future in futures.items()}
-    fp32 = report["runs"]["float32"]
-    report["bfloat16"] = compare(report["runs"]["bfloat16"], fp32)
-    report["bfloat16_nearest"] = compare(report["runs"]["bfloat16_nearest"], fp32)
-    if "float32_foreach" in report["runs"]:
-        report["noise_floor"] = compare(report["runs"]["float32_foreach"], fp32)
-    saved = fp32["optimizer_state_bytes"] - report["runs"]["bfloat16"]["optimizer_state_bytes"]
-    report["optimizer_state_saved_bytes"] = {"bytes": saved, "per_param": saved / fp32["params"]}
+                futures = {key: pool.submit(_run_in_child, threads, *job) for key, job in jobs.items()}
+                results = {key: future.result() for key, future in futures.items()}
+    report["seeds"] = {}
+    for seed in seeds:
+        runs = {name: results[seed, name] for name in names}
+        report["seeds"][str(seed)] = {"runs": runs, "against_float32": {
+            name: compare(run, runs["float32"]) for name, run in runs.items() if name != "float32"}}
+    report["over_seeds"] = {
+        name: {key: spread([report["seeds"][str(seed)]["against_float32"][name][key] for seed in seeds])
+               for key in ("final_loss_rel_diff", "final_val_loss_rel_diff")}
+        for name in names if name != "float32"}
+    if "bfloat16" in names:
+        fp32, bf16 = results[seeds[0], "float32"], results[seeds[0], "bfloat16"]
+        saved = fp32["optimizer_state_bytes"] - bf16["optimizer_state_bytes"]
+        report["optimizer_state_saved_bytes"] = {"bytes": saved, "per_param": saved / fp32["params"]}
     print(json.dumps(report))
     return report
 

@@ -57,14 +57,14 @@ class OptimizerSection:
     state_dtype: str = option("float32", choices=["float32", "bfloat16"])
     """dtype of AdamW's two moments; the parameters (master weights) stay float32 either way. bfloat16, as
     DeepSeek-V3 trains, stores 4 instead of 8 bytes of state per parameter and moves 20 instead of 28 bytes per
-    parameter in the step, whose math stays float32 (docs/memory.md, "BF16 optimizer moments"). Keep 1 - beta2 well
-    above bfloat16's rounding (2^-9): at beta2 = 0.999 the stored second moment could no longer decay. A checkpoint
-    of the other dtype resumes, converted."""
+    parameter in the step, whose math stays float32 (docs/memory.md, "BF16 optimizer moments"). A checkpoint of the
+    other dtype resumes, converted."""
     state_rounding: str = option("stochastic", choices=["stochastic", "nearest"])
     """How bfloat16 moments are stored after each update (float32 moments are not rounded): stochastic (rounds up
     with probability equal to the remainder, so small updates survive on average; reproducible: the random bits
     hash the parameter's name, the seed, the step and the element's global index, so every layout and a resume
-    round alike) or nearest (round to nearest even, which lets a slowly moving moment stall; measured in
+    round alike) or nearest (round to nearest even: cheaper off the compiled CUDA kernel, but a moment whose update
+    is under half a bfloat16 step stalls; at beta2 = 0.999 a second moment stalls at 29% of its float32 value.
     docs/memory.md, "BF16 optimizer moments")."""
 
 
