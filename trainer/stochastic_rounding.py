@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 __all__ = ["CHUNK_ELEMENTS", "TRANSIENT_BYTES_PER_ELEMENT", "hash32", "round_to_bf16", "salt", "shard_index_base",
            "stochastic_round_"]
@@ -124,8 +125,6 @@ def shard_index_base(t: torch.Tensor) -> int | None:
     contiguous slab of the global tensor); None for other shardings (the local part is not a slab)."""
     if not isinstance(t, DTensor):
         return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(local_shape[1:]) != tuple(t.shape[1:]) or any(offset[1:]):
         return None
