@@ -42,9 +42,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import json
 import multiprocessing
 import os
-import json
 import statistics
 import sys
 import tempfile

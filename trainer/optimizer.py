@@ -15,7 +15,7 @@ master weights) stay float32, as DeepSeek-V3 trains (technical report, section 3
 per parameter. torch's foreach and fused AdamW group tensors by dtype and cannot mix float32 parameters with
 bfloat16 state, so ``BF16MomentsAdamW`` steps itself; see its docstring. The stored moments are rounded
 stochastically by default (``state_rounding``, ``trainer/stochastic_rounding.py``): rounded to nearest, a moment
-that moves by less than half a bfloat16 step per update stalls, and the training curve drifts from float32's.
+that moves by less than half a bfloat16 step per update stalls (at beta2 = 0.999, for example).
 """
 
 from __future__ import annotations
@@ -120,8 +120,7 @@ def store_moment(dst: torch.Tensor, value: torch.Tensor, step: torch.Tensor, tag
     key, base = rounding
     salt_ = salt(key, step, tag)
     if isinstance(base, torch.Tensor):
-        index = torch.arange(value.numel(), dtype=torch.int64, device=value.device).view(value.shape) + base
-        dst.copy_(round_to_bf16(value, index, salt_))
+        dst.copy_(round_to_bf16(value, base, salt_))
     else:
         stochastic_round_(dst, value, base, salt_)
 

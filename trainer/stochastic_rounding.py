@@ -6,9 +6,9 @@ update is lost every time, the stored value stalls. AdamW's moments with bfloat1
 with probability equal to the distance from the lower neighbour, so every stored value equals the float32 one in
 expectation, and small updates survive on average.
 
-The random 16 bits of element ``i`` are ``hash32(i ^ salt)`` where ``i`` is the element's index in the *global*
-(unsharded) tensor and the salt mixes a per-tensor key (the parameter's name and the run's seed), the step counter and
-which moment it is. So the rounding is:
+The random 16 bits of element ``i`` are those of ``hash32((i mod 2^32) ^ hash32(i >> 32) ^ salt)`` where ``i`` is the
+element's index in the *global* (unsharded) tensor and the salt mixes a per-tensor key (the parameter's name and the
+run's seed), the step counter and which moment it is. So the rounding is:
 
 * the same on every layout: an FSDP or EP shard rounds its elements as one process rounds the whole tensor, and
   replicas (HSDP) stay identical;
@@ -16,11 +16,14 @@ which moment it is. So the rounding is:
 * the same eagerly on CPU and in the compiled CUDA kernel: integer arithmetic only, no generator state. Inside the
   kernel the bits cost no memory traffic.
 
-The hash is Chris Wellons' "lowbias32" integer hash (two multiply-xorshift rounds), computed in int64 on values below
-2^32, with the multiplications split so that no intermediate leaves int64's range.
+The hash is Chris Wellons' "lowbias32" integer hash (two multiply-xorshift rounds): in one pass in int64 on values
+below 2^32, with the multiplications split so that no intermediate leaves int64's range (``round_to_bf16``, the
+compiled kernel's form), or eagerly in int32 chunks (``stochastic_round_``), which give the same bits.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -83,11 +86,13 @@ def _add_noise(bits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(x == x, rounded, x)
 
 
-def round_to_bf16(x: torch.Tensor, index: torch.Tensor, salt_: torch.Tensor) -> torch.Tensor:
+def round_to_bf16(x: torch.Tensor, base: int | torch.Tensor, salt_: torch.Tensor) -> torch.Tensor:
     """Float32 ``x`` stochastically rounded, as float32 values that bfloat16 holds exactly (so ``.to(bfloat16)``
-    and ``copy_`` into bfloat16 are exact), in one pass: the form for a compiled kernel. ``index``: int64, each
-    element's global index (broadcastable to ``x``); its random 16 bits are those of
-    ``hash32((index mod 2^32) ^ hash32(index >> 32) ^ salt_)``."""
+    and ``copy_`` into bfloat16 are exact), in one pass: the form for a compiled kernel (``base`` a 0-d int64 tensor
+    there, so that one graph serves every parameter). Elements in row-major order have the global indices ``base``,
+    ``base + 1``, ...; the random 16 bits of index ``i`` are those of ``hash32((i mod 2^32) ^ hash32(i >> 32) ^
+    salt_)``."""
+    index = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape) + base
     element = (index & _M32) ^ hash32(index >> 32)
     return _add_noise((hash32(element ^ salt_) & 0xFFFF).to(torch.int32), x)
 
@@ -100,8 +105,7 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, base: int, salt_: to
     tensor's size."""
     n = src.numel()
     if not dst.is_contiguous():
-        index = torch.arange(base, base + n, dtype=torch.int64, device=src.device).view(src.shape)
-        dst.copy_(round_to_bf16(src, index, salt_))
+        dst.copy_(round_to_bf16(src, base, salt_))
         return
     flat_dst, flat_src = dst.view(-1), src.reshape(-1)
     salt32 = salt_.to(torch.int32)
@@ -128,7 +132,4 @@ def shard_index_base(t: torch.Tensor) -> int | None:
     local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(local_shape[1:]) != tuple(t.shape[1:]) or any(offset[1:]):
         return None
-    row = 1
-    for size in t.shape[1:]:
-        row *= size
-    return offset[0] * row if offset else 0
+    return offset[0] * math.prod(t.shape[1:]) if offset else 0
