@@ -8,7 +8,7 @@
 
 The MoE is `models.deepseek_v3.moe.MoE(args)` as the model builds it for its first MoE layer (training mode, the
 flavor's `use_grouped_mm`, local token dispatcher: no expert parallelism), initialised by the model's own rules
-(`init_rule` + `init_parameter_`). The dense FFN is `FeedForward(dim, hidden)` with hidden = moe_inter_dim x
+(`init_rule` + `init_parameters_`). The dense FFN is `FeedForward(dim, hidden)` with hidden = moe_inter_dim x
 (n_activated_experts + n_shared_experts): the same matmul parameters and FLOPs per token as the experts a token
 runs through (routed top-k + shared). The router's gate (fp32, dim x n_routed_experts) is the MoE's only extra
 matmul; its FLOPs are reported on their own (flops_per_token.router).
@@ -74,17 +74,17 @@ SMOKE_ARGS = dict(dim=64, moe_inter_dim=32)
 def build(args, seed: int = 0):
     """(MoE, dense FeedForward) initialised by the model's own rules, as layer `n_dense_layers` would be."""
     import torch
-    from models.common.init import init_parameter_
+    from models.common.init import init_parameters_
     from models.deepseek_v3.model import init_rule
     from models.deepseek_v3.moe import MoE, FeedForward
 
     layer = args.n_dense_layers
     moe = MoE(args, layer_id=layer)
     dense = FeedForward(args.dim, args.moe_inter_dim * (args.n_activated_experts + args.n_shared_experts))
-    for prefix, module in ((f"layers.{layer}.moe", moe), (f"layers.{layer}.feed_forward", dense)):
-        for name, param in module.named_parameters():
-            fqn = f"{prefix}.{name}"
-            init_parameter_(param, init_rule(args, fqn), seed, fqn)
+    fqns = [(f"{prefix}.{name}", param) for prefix, module in ((f"layers.{layer}.moe", moe),
+                                                               (f"layers.{layer}.feed_forward", dense))
+            for name, param in module.named_parameters()]
+    init_parameters_(((fqn, param, init_rule(args, fqn)) for fqn, param in fqns), seed)
     moe.reset_buffers(torch.device("cpu"))
     return moe.train(), dense.train()
 

@@ -426,6 +426,36 @@ def test_compiled_form_of_the_stochastic_step_equals_the_eager_one():
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_fused_step_compiles_one_graph_for_every_parameter(monkeypatch):
+    """The fused implementation's compiled kernel, here on CPU through aot_eager (dynamo's guards, and so its
+    recompiles, are the backend's concern no more than the device's): one graph for every parameter shape and step,
+    a second for 1-element tensors, and the moments the eager step stores. The 1-D views handed to it once
+    recompiled for each rank of the parameters (dynamo guards on a view's base), which an H200 found."""
+    import trainer.optimizer as optimizer_module
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    compiled_step = torch.compile(skippable_tensor_step, dynamic=True, fullgraph=True, backend="aot_eager")
+    params, grads = _tensors()
+    twins = copy.deepcopy(params)
+    cfg = opt_cfg(0, "fused", "bfloat16")
+    eager, compiled = build_optimizer([params], cfg), build_optimizer([twins], cfg)
+    counters.clear()
+    for step_grads in grads:
+        for p, q, g in zip(params, twins, step_grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        eager.step()
+        with monkeypatch.context() as patch:
+            patch.setattr(optimizer_module, "_compiles", lambda device: True)
+            patch.setattr(optimizer_module, "_compiled_tensor_step", lambda: compiled_step)
+            compiled.step()
+    assert counters["stats"]["unique_graphs"] == 2  # SHAPES holds a 1-element parameter
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=0, atol=1e-6)
+        for key in MOMENTS:
+            assert torch.equal(compiled.state[q][key], eager.state[p][key])
+
+
 @pytest.mark.cuda
 def test_cuda_compiled_bf16_step_matches_the_eager_one_and_compiles_once():
     """The fused step on CUDA is `skippable_tensor_step` compiled (dynamic shapes, lr and step as tensors, the

@@ -20,7 +20,7 @@ from core.config import ConfigError
 from core.loss import cross_entropy_sum
 from core.model_spec import ModelJob, ModelSpec, ParallelizeJob, PlanTables, register_model_spec
 from core.names import ModuleDefaults
-from models.common.init import init_parameter_
+from models.common.init import init_parameters_
 from parallelisms.activation_checkpoint.policy import ScopeRule, apply_ac
 from parallelisms.compile import CompileUnit, apply_compile
 from parallelisms.fsdp import FSDPUnit, apply_fsdp
@@ -79,10 +79,12 @@ class ToyModel(nn.Module):
     def init_weights(self, buffer_device: torch.device | None = None, seed: int = 0) -> None:
         """Normal(0, 0.02) weights and unit norms, seeded per state_dict key: the same full weights on any layout."""
         params = {id(p) for p in self.parameters()}
-        for fqn, tensor in self.state_dict(keep_vars=True).items():
-            if id(tensor) in params:
-                rule = (lambda t, g: t.fill_(1.0)) if "norm" in fqn else (lambda t, g: t.normal_(0, 0.02, generator=g))
-                init_parameter_(tensor, rule, seed, fqn)
+
+        def rule(fqn: str):
+            return (lambda t, g: t.fill_(1.0)) if "norm" in fqn else (lambda t, g: t.normal_(0, 0.02, generator=g))
+
+        init_parameters_(((fqn, tensor, rule(fqn)) for fqn, tensor in self.state_dict(keep_vars=True).items()
+                          if id(tensor) in params), seed)
 
 
 #: the names `activation_checkpoint.recompute_modules` accepts for this family, and the submodules they cover

@@ -205,6 +205,11 @@ def _compiled_tensor_step():
     return torch.compile(skippable_tensor_step, dynamic=True, fullgraph=True)
 
 
+def _compiles(device: torch.device) -> bool:
+    """Whether the fused implementation runs the compiled kernel on `device` (elsewhere the eager step runs)."""
+    return device.type == "cuda"
+
+
 class BF16MomentsAdamW(torch.optim.AdamW):
     """AdamW with float32 parameters and bfloat16 moments (``optimizer.state_dtype = "bfloat16"``).
 
@@ -303,7 +308,7 @@ class BF16MomentsAdamW(torch.optim.AdamW):
             raise RuntimeError("BF16MomentsAdamW takes no grad_scale: unscale the gradients first "
                                "(GradScaler.unscale_)")
         found_inf = getattr(self, "found_inf", None)
-        compiled = self.implementation == "fused" and any(p.device.type == "cuda" for g in self.param_groups
+        compiled = self.implementation == "fused" and any(_compiles(p.device) for g in self.param_groups
                                                           for p in g["params"])
         if found_inf is not None and not compiled and found_inf.item():
             return loss  # off the compiled kernel the flag is read here: on CPU that costs no wait
@@ -330,9 +335,10 @@ class BF16MomentsAdamW(torch.optim.AdamW):
                 continue
             for param, (p, g, m, v, step) in zip(params, tensors):
                 lr = self._lr(p.device, group["lr"])
-                if self.implementation == "fused" and p.device.type == "cuda":
+                if self.implementation == "fused" and _compiles(p.device):
                     if all(t.is_contiguous() for t in (p, g, m, v)):
-                        p, g, m, v = (t.view(-1) for t in (p, g, m, v))
+                        # detached: dynamo guards on a view's base too, whose rank differs from tensor to tensor
+                        p, g, m, v = (t.view(-1).detach() for t in (p, g, m, v))
                     _compiled_tensor_step()(p, g, m, v, step, lr, self._found_inf(p.device),
                                             rounding=self._rounding(param, compiled=True), **hyper)
                 else:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.init import InitRule, init_parameter_
+from models.common.init import InitRule, init_parameters_
 
 from .args import ModelArgs
 from .moe import MoE, FeedForward
@@ -276,9 +276,8 @@ class DeepSeekV3Model(nn.Module):
         for moe in self.moe_layers():
             moe.reset_buffers(device)
         params = {id(p) for p in self.parameters()}
-        for fqn, tensor in self.state_dict(keep_vars=True).items():
-            if id(tensor) in params:
-                init_parameter_(tensor, init_rule(self.args, fqn), seed, fqn)
+        init_parameters_(((fqn, tensor, init_rule(self.args, fqn)) for fqn, tensor in
+                          self.state_dict(keep_vars=True).items() if id(tensor) in params), seed)
 
     def moe_layers(self) -> list[MoE]:
         """The MoE modules of this (possibly partial) model, in layer order."""

@@ -63,11 +63,13 @@ _SDPA = "aten._scaled_dot_product"
 BASE_OPS: Mapping[str, tuple[OpRef, ...]] = MappingProxyType({
     # aten.linear is composite and reaches the dispatcher as mm/addmm in eager; listed for traced graphs.
     # FP8 GEMMs (quantization/fp8, torchao) count as their matmul kind; the _v2 ops are F.scaled_mm's (blockwise),
-    # absent from older torch (resolved to None there).
+    # absent from older torch (resolved to None there). Our blockwise GEMMs reach the dispatcher as the custom ops
+    # of quantization/fp8/scaled_gemms.py (registered when FP8 is on), which hide the aten ops inside them.
     "mm": (OpRef("aten.mm.default"), OpRef("aten.addmm.default"), OpRef("aten.bmm.default"),
-           OpRef("aten.linear.default"), OpRef("aten._scaled_mm.default"), OpRef("aten._scaled_mm_v2.default")),
+           OpRef("aten.linear.default"), OpRef("aten._scaled_mm.default"), OpRef("aten._scaled_mm_v2.default"),
+           OpRef("dsv3_fp8.scaled_mm_blockwise.default")),
     "grouped_mm": (OpRef("aten._grouped_mm.default"), OpRef("aten._scaled_grouped_mm.default"),
-                   OpRef("aten._scaled_grouped_mm_v2.default")),
+                   OpRef("aten._scaled_grouped_mm_v2.default"), OpRef("dsv3_fp8.blockwise_grouped_mm.default")),
     # Fused SDPA kernels. MLA's q/k head dim differs from v's, which the CPU flash kernel rejects: on CPU the model
     # pads v for flash in bf16 and takes the math path in fp32 (bmm and softmax: "mm" and "softmax").
     "attention": (OpRef(f"{_SDPA}_flash_attention_for_cpu.default"), OpRef(f"{_SDPA}_flash_attention.default"),

@@ -14,7 +14,10 @@ torch._scaled_grouped_mm, rowwise: a [P, K] row-major with one scale per row ([P
 A linear's three GEMMs are all `blockwise_mm`: forward (x, W, blocks), dgrad (dY, W^T, blocks), wgrad (dY^T, x^T,
 1 x 128 tiles along the tokens). Blockwise grouped experts without DeepGEMM run one scaled_mm per expert
 (`dsv3_fp8::blockwise_grouped_mm`, a custom op: it reads the group offsets on the host, which torch.compile must
-not trace).
+not trace). The blockwise scaled_mm itself is a custom op too (`dsv3_fp8::scaled_mm_blockwise`): torch 2.11's
+dynamo refuses to trace `F.scaled_mm` (`torch._scaled_mm_v2` is marked skipped; seen on an H200), so a compiled
+model keeps it opaque while the quantisation around it is fused. Its fake kernel is the same code on fake tensors:
+torch's meta checks of the layouts run there too.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ def _col_major(scale: torch.Tensor) -> torch.Tensor:
     return row_major(scale.t()).t()
 
 
-def _scaled_blockwise(a_q, a_s, b_q, b_s, b_blocks: bool, out_dtype: torch.dtype) -> torch.Tensor:
+def _blockwise_scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, b_blocks: bool,
+                         out_dtype: torch.dtype) -> torch.Tensor:
     """a_q [M, K] @ b_q [N, K]^T from e4m3 operands and their scales (a: 1 x 128 tiles [M, K/128]; b: 128 x 128
     blocks [N/128, K/128] or 1 x 128 tiles [N, K/128]), both quantised along K."""
+    # row-major operands whatever strides a compiled graph hands the op (no copy when they already are)
+    a_q, b_q = row_major(a_q), row_major(b_q)
     ScalingType = F.ScalingType
     if b_blocks:
         k_blocks = b_s.shape[1]
@@ -45,6 +51,16 @@ def _scaled_blockwise(a_q, a_s, b_q, b_s, b_blocks: bool, out_dtype: torch.dtype
         b_scale, b_recipe = _col_major(b_s), ScalingType.BlockWise1x128
     return F.scaled_mm(a_q, b_q.t(), _col_major(a_s), ScalingType.BlockWise1x128, b_scale, b_recipe,
                        output_dtype=out_dtype)
+
+
+@torch.library.custom_op("dsv3_fp8::scaled_mm_blockwise", mutates_args=())
+def _scaled_blockwise(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, b_blocks: bool,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """`_blockwise_scaled_mm` as an op that torch.compile keeps opaque (module docstring)."""
+    return _blockwise_scaled_mm(a_q, a_s, b_q, b_s, b_blocks, out_dtype)
+
+
+_scaled_blockwise.register_fake(_blockwise_scaled_mm)
 
 
 def blockwise_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, b_blocks: bool) -> torch.Tensor:
@@ -94,8 +110,8 @@ def per_expert_blockwise(a: torch.Tensor, b: torch.Tensor, ends: list[int], gemm
         b_q, b_s = quantize_tiles(b.narrow(0, 0, used).t(), 1, BLOCK)
         zero = a.new_zeros(a.shape[1], b.shape[1])
         return torch.stack([
-            _scaled_blockwise(row_major(a_q.narrow(1, s, n)), a_s.narrow(1, s // BLOCK, n // BLOCK),
-                              row_major(b_q.narrow(1, s, n)), b_s.narrow(1, s // BLOCK, n // BLOCK), False, a.dtype)
+            _scaled_blockwise(a_q.narrow(1, s, n), a_s.narrow(1, s // BLOCK, n // BLOCK), b_q.narrow(1, s, n),
+                              b_s.narrow(1, s // BLOCK, n // BLOCK), False, a.dtype)
             if n else zero for s, n in groups])
     E = b.shape[0]
     w = b if gemm == "fwd" else b.transpose(-2, -1)  # the second operand with its K last
