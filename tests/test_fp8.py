@@ -85,6 +85,29 @@ def test_round_trip_exact_on_block_boundaries(shape, tile):
     assert scale[0, 0] == 1.0  # the zero tile
 
 
+def test_power_of_two_scales_from_the_bits_match_their_definition():
+    """The scale rule (computed on amax's bits, so that a compiler cannot approximate it) against its definition
+    in float64, element by element: the smallest power of two s >= 2^-126 with amax / s <= 448, and 1 / s exactly;
+    boundaries (448 * 2^k and its neighbours, 1.75 * 2^k), zero, subnormal and huge amax, random magnitudes."""
+    from quantization.fp8.quantize import _pow2_scales
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randint(-100, 100, (300,), generator=gen).float()
+    edges = torch.cat([448 * torch.exp2(k), 1.75 * torch.exp2(k)])
+    special = torch.tensor([0.0, 1e-45, 1e-40, 2.0 ** -126, 3e-36, 1.0, 448.0, 449.0, 3.3e38])
+    random = torch.rand(20000, generator=gen) * 10 ** torch.randint(-30, 30, (20000,), generator=gen).float()
+    amax = torch.cat([special, edges, torch.nextafter(edges, torch.zeros(())), torch.nextafter(edges, edges * 2),
+                      random])
+    scale, inverse = _pow2_scales(amax)
+    a = amax.double()
+    want = torch.exp2(torch.ceil(torch.log2(a / 448)).clamp_min(-126))
+    want = torch.where(a / (want / 2) <= 448, want / 2, want).clamp_min(2.0 ** -126)  # log2's rounding, both ways
+    want = torch.where(a / want > 448, want * 2, want)
+    want = torch.where(a > 0, want, 1.0)
+    assert torch.equal(scale.double(), want)
+    assert torch.equal(inverse.double(), 1 / want)
+
+
 def test_round_trip_error_bound_on_random_values():
     """Arbitrary values: every element within the per-element bound 2^-4 |t| + 2^-10 s."""
     t = torch.randn(256, 512, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 512)

@@ -26,12 +26,23 @@ ROWWISE_ALIGN = 16
 QDQ_WORK_BYTES = 5
 
 
-def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two s with amax / s <= 448 (1 where amax is 0), in fp32."""
-    mantissa, exponent = torch.frexp(amax.float() / E4M3_MAX)
-    # frexp gives m in [0.5, 1): s = m 2^e rounds up to 2^e, unless it already is a power of two (m = 0.5)
-    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
-    return torch.where(amax > 0, torch.ldexp(torch.ones_like(mantissa), exponent), 1.0)
+_EXPONENT_BITS, _MANTISSA_BITS, _ONE = 0x7F800000, 0x007FFFFF, 127 << 23  # fp32 fields; 1.0's bits
+# 448 = 1.75 * 2^8: for amax = 1.m * 2^E, amax / 448 <= 2^(E - 8) exactly when 1.m <= 1.75 (mantissa <= 0x600000)
+_E4M3_MAX_MANTISSA = 0x600000
+
+
+def _pow2_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, 1 / s) in fp32: s the smallest power of two with amax / s <= 448 (at least 2^-126; 1 where amax is 0).
+
+    Computed on amax's bits: integer arithmetic and comparisons only, no division, frexp, ldexp or exp2, which a
+    compiler may lower to approximations (Triton's fp32 division and exp2 are). So torch.compile on a GPU quantises
+    to the same bits as eager code, and the quantised values are t * (1 / s): a product by a power of two, exact
+    like the division it stands for."""
+    bits = amax.float().clamp_min(2.0 ** -126).view(torch.int32)  # normal: the exponent field is E + 127
+    above = ((bits & _MANTISSA_BITS) > _E4M3_MAX_MANTISSA).to(torch.int32)  # int32 throughout, for the bit views
+    scale_bits = ((bits & _EXPONENT_BITS) - (8 << 23) + (above << 23)).clamp_min(1 << 23)  # 2^(E-8|E-7) >= 2^-126
+    scale_bits = torch.where(amax > 0, scale_bits, _ONE)
+    return scale_bits.view(torch.float32), (2 * _ONE - scale_bits).view(torch.float32)
 
 
 def _tiles(t: torch.Tensor, tile_rows: int, tile_cols: int) -> torch.Tensor:
@@ -58,8 +69,10 @@ def quantize(t: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Ten
     """
     R, C = t.shape
     tiles = _tiles(t, tile_rows, tile_cols)
-    scale = _pow2_scale(_tile_amax(tiles))
-    q = tiles.div_(scale[:, None, :, None]).to(E4M3)
+    scale, inverse = _pow2_scales(_tile_amax(tiles))
+    tiles.mul_(inverse[:, None, :, None])
+    del inverse  # freed before the e4m3 copy exists
+    q = tiles.to(E4M3)
     return q.view(-1, q.shape[2] * tile_cols)[:R, :C], scale
 
 
@@ -72,15 +85,15 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
 def quantize_tiles(t: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize` for the real FP8 kernels: [R, C] with dims that are multiples of the tile, in t's dtype (no
     padding, no fp32 copy of t). The same e4m3 values and scales as `quantize`, bit for bit: the tile maximum is
-    one of t's values, and dividing by a power of two in fp32 is exact.
+    one of t's values, and scaling by a power of two in fp32 is exact.
 
     Returns (q [R, C] contiguous e4m3, scale [R / tile_rows, C / tile_cols] contiguous fp32). Eager, it passes
-    over t three times (maximum, fp32 quotient, cast); torch.compile fuses them.
+    over t three times (maximum, fp32 product, cast); torch.compile fuses them.
     """
     R, C = t.shape
     tiles = row_major(t).view(R // tile_rows, tile_rows, C // tile_cols, tile_cols)
-    scale = _pow2_scale(_tile_amax(tiles, keepdim=True))
-    q = torch.div(tiles, scale).to(E4M3)
+    scale, inverse = _pow2_scales(_tile_amax(tiles, keepdim=True))
+    q = torch.mul(tiles, inverse).to(E4M3)
     return q.view(R, C), scale.view(R // tile_rows, C // tile_cols)
 
 
@@ -103,9 +116,9 @@ def quantize_segments(t: torch.Tensor, segment_C: torch.Tensor, num_segments: in
     index = segment_C.expand(t.shape)
     high = t.new_zeros(t.shape[0], num_segments).scatter_reduce_(1, index, t, "amax")
     low = t.new_zeros(t.shape[0], num_segments).scatter_reduce_(1, index, t, "amin")
-    scale = _pow2_scale(torch.maximum(high, -low))
-    scaled = scale.index_select(1, segment_C)  # one fp32 buffer: each element's scale, then the scaled value
-    return torch.div(t, scaled, out=scaled).to(E4M3), scale
+    scale, inverse = _pow2_scales(torch.maximum(high, -low))
+    scaled = inverse.index_select(1, segment_C)  # one fp32 buffer: each element's 1 / scale, then the scaled value
+    return torch.mul(t, scaled, out=scaled).to(E4M3), scale
 
 
 def dequantize_segments(q: torch.Tensor, scale: torch.Tensor, segment_C: torch.Tensor,
@@ -126,8 +139,10 @@ def _qdq(t: torch.Tensor, tile_rows: int, tile_cols: int, dtype: torch.dtype) ->
         return _qdq_op(t, tile_rows, tile_cols, dtype)
     R, C = t.shape
     tiles = _tiles(t, tile_rows, tile_cols)
-    scale = _pow2_scale(_tile_amax(tiles, keepdim=True))
-    q = tiles.div_(scale).to(E4M3)
+    scale, inverse = _pow2_scales(_tile_amax(tiles, keepdim=True))
+    tiles.mul_(inverse)
+    del inverse  # freed before the e4m3 copy exists
+    q = tiles.to(E4M3)
     del tiles  # freed before the dequantised copy exists
     deq = q.to(dtype).mul_(scale.to(dtype))
     return deq.view(-1, q.shape[2] * tile_cols)[:R, :C]
