@@ -426,6 +426,15 @@ def test_compiled_form_of_the_stochastic_step_equals_the_eager_one():
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def _step_both(eager, step_other, params, twins, grads) -> None:
+    """Each step's gradients into both parameter lists (the twins' on their device), then a step of each."""
+    for step_grads in grads:
+        for p, q, g in zip(params, twins, step_grads):
+            p.grad, q.grad = g.clone(), g.to(q.device, copy=True)
+        eager.step()
+        step_other()
+
+
 def test_fused_step_compiles_one_graph_for_every_parameter(monkeypatch):
     """The fused implementation's compiled kernel, here on CPU through aot_eager (dynamo's guards, and so its
     recompiles, are the backend's concern no more than the device's): one graph for every parameter shape and step,
@@ -440,15 +449,15 @@ def test_fused_step_compiles_one_graph_for_every_parameter(monkeypatch):
     twins = copy.deepcopy(params)
     cfg = opt_cfg(0, "fused", "bfloat16")
     eager, compiled = build_optimizer([params], cfg), build_optimizer([twins], cfg)
-    counters.clear()
-    for step_grads in grads:
-        for p, q, g in zip(params, twins, step_grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        eager.step()
+
+    def compiled_on_cpu():
         with monkeypatch.context() as patch:
             patch.setattr(optimizer_module, "_compiles", lambda device: True)
             patch.setattr(optimizer_module, "_compiled_tensor_step", lambda: compiled_step)
             compiled.step()
+
+    counters.clear()
+    _step_both(eager, compiled_on_cpu, params, twins, grads)
     assert counters["stats"]["unique_graphs"] == 2  # SHAPES holds a 1-element parameter
     for p, q in zip(params, twins):
         torch.testing.assert_close(q.detach(), p.detach(), rtol=0, atol=1e-6)
@@ -469,11 +478,7 @@ def test_cuda_compiled_bf16_step_matches_the_eager_one_and_compiles_once():
     cfg = opt_cfg(0, "fused", "bfloat16")
     eager, compiled = build_optimizer([params], cfg), build_optimizer([on_cuda], cfg)
     counters.clear()
-    for step_grads in grads:
-        for p, q, g in zip(params, on_cuda, step_grads):
-            p.grad, q.grad = g.clone(), g.cuda()
-        eager.step()
-        compiled.step()
+    _step_both(eager, compiled.step, params, on_cuda, grads)
     assert counters["stats"]["unique_graphs"] <= 2
     for p, q in zip(params, on_cuda):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=0, atol=1e-6)
