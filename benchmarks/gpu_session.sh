@@ -52,6 +52,7 @@ fi
 export PATH="$PWD/.venv/bin:$PATH" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if compgen -G ".whl/*.whl" > /dev/null; then
   site="$(mktemp -d)"
+  trap 'rm -rf "$site"' EXIT
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl &&
     export PYTHONPATH="$PYTHONPATH:$site"
 fi

@@ -185,6 +185,13 @@ def test_cuda_compiled_fp8_kernels_match_eager():
             assert _rel(c, e) < BF16_LEVEL, f"{case} {name}: {_rel(c, e):.3g} (seed {seed})"
 
 
+def _wide_bf16(seed: int) -> torch.Tensor:
+    """[4096, 2048] bf16 whose columns span six decades: tiles of very different scales."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(4096, 2048, device="cuda", generator=gen) * torch.logspace(-3, 3, 2048, device="cuda")
+            ).bfloat16()
+
+
 @pytest.mark.parametrize("tile", [(1, 128), (128, 128), (1, 2048)], ids=["1x128", "128x128", "rowwise"])
 def test_cuda_compiled_quantisation_gives_the_eager_bits(tile):
     """Inductor's (Triton's) quantisation against eager CUDA, bit for bit, in e4m3 values and scales: on the
@@ -194,8 +201,7 @@ def test_cuda_compiled_quantisation_gives_the_eager_bits(tile):
     from quantization.fp8.quantize import quantize_tiles
 
     seed = _fresh_seed()
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    t = (torch.randn(4096, 2048, device="cuda", generator=gen) * torch.logspace(-3, 3, 2048, device="cuda")).bfloat16()
+    t = _wide_bf16(seed)
     for name, x in (("t", t), ("t^T", t.t())):
         want_q, want_s = quantize_tiles(x, *tile)
         torch._dynamo.reset()
@@ -210,8 +216,7 @@ def test_cuda_compiled_segment_quantisation_gives_the_eager_bits():
     from quantization.fp8.quantize import quantize_segments
 
     seed = _fresh_seed()
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    t = (torch.randn(4096, 2048, device="cuda", generator=gen) * torch.logspace(-3, 3, 2048, device="cuda")).bfloat16()
+    t = _wide_bf16(seed)
     segment = torch.arange(4096, device="cuda") * 3 // 4096  # three segments of the columns of t^T
     want = quantize_segments(t.t(), segment, 3)
     torch._dynamo.reset()

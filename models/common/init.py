@@ -60,18 +60,23 @@ def _fill_range(values: torch.Tensor, rule: InitRule, seed: int, fqn: str, block
     if (lo, hi) == (start, start + n):  # the whole block is local: drawn in place
         _draw(rule, values.narrow(0, start - first, n), seed, fqn, block)
         return
-    chunk = torch.empty((n, *values.shape[1:]), dtype=values.dtype)
-    _draw(rule, chunk, seed, fqn, block)
+    chunk = _drawn_block(values, rule, seed, fqn, block, rows)
     with torch.no_grad():
         values.narrow(0, lo - first, hi - lo).copy_(chunk.narrow(0, lo - start, hi - lo))
+
+
+def _drawn_block(values: torch.Tensor, rule: InitRule, seed: int, fqn: str, block: int, rows: int) -> torch.Tensor:
+    """Block `block` of a parameter of `rows` rows, drawn whole into a new tensor (rows of `values`' shape)."""
+    chunk = torch.empty((min(ROWS_PER_BLOCK, rows - block * ROWS_PER_BLOCK), *values.shape[1:]), dtype=values.dtype)
+    _draw(rule, chunk, seed, fqn, block)
+    return chunk
 
 
 def _fill_rows(values: torch.Tensor, rule: InitRule, seed: int, fqn: str, block: int, local_rows: torch.Tensor,
                rows: int) -> None:
     """The local rows (any global indices, `local_rows`) that fall in `block`."""
     start = block * ROWS_PER_BLOCK
-    chunk = torch.empty((min(ROWS_PER_BLOCK, rows - start), *values.shape[1:]), dtype=values.dtype)
-    _draw(rule, chunk, seed, fqn, block)
+    chunk = _drawn_block(values, rule, seed, fqn, block, rows)
     in_block = (local_rows // ROWS_PER_BLOCK) == block
     with torch.no_grad():
         values[in_block] = chunk[local_rows[in_block] - start]
@@ -122,8 +127,8 @@ def init_parameters_(items: Iterable[tuple[str, torch.Tensor, InitRule]], seed: 
     initialisation.
 
     The blocks are drawn on the host, in parallel threads (as many as torch's intra-op threads), a group of
-    parameters at a time: at most `staging_bytes` of float32 staging (or one larger parameter), then copied to the
-    parameters' device. The 2.57B parameters of the 671B-shape benchmark (train_configs/h100_bench_671b.toml) took
+    parameters at a time: a group holds at most `staging_bytes` of float32 staging (or one larger parameter), and
+    the next parameter's staging exists beside it while it is drawn and copied to the parameters' device. The 2.57B parameters of the 671B-shape benchmark (train_configs/h100_bench_671b.toml) took
     81 s on 2 CPU cores one block at a time, 40% of it in masked row copies that row-range shards no longer make,
     and take 34 s so."""
     workers = torch.get_num_threads()
