@@ -4,8 +4,10 @@ issue-34 targets checked against them, and the test and kernel-check results.
     python benchmarks/gpu_summary.py outputs/gpu_session          # markdown on stdout
 
 Rows: the variant (the report's file name), tokens/s timed step by step (a synchronisation around each step) and
-free-running (as training runs), MFU of each, the peak of allocated memory, and where the profiled step's GPU time
-went (optimizer kernels, idle). Targets, each PASS / FAIL / not run:
+free-running (as training runs), MFU of each, the peak of allocated memory, where the profiled step's GPU time
+went (optimizer kernels, idle) and the time torch.compile took. Targets, each PASS / FAIL / not run; for a variant
+without a report (stopped at its time limit, say), what its log says it had compiled (the trainer's torch.compile
+lines, `trainer/compile_times.py`):
   - at the 671B GEMM shapes, compiled: FP8 blockwise and rowwise free-running tokens/s >= 1.15x bf16's
   - at the 16B shapes (h100_bench.toml), compiled: batch 4 free-running MFU >= 55%, batch 2 >= 50%
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import sys
 import xml.etree.ElementTree as ElementTree
 
@@ -50,24 +53,47 @@ def _ms(split: dict | None, key: str) -> str:
 
 def rows(reports: dict[str, dict]) -> list[str]:
     """The markdown table of the reports."""
-    lines = ["| variant | tokens/s timed | tokens/s free | MFU timed | MFU free | peak GiB | optimizer ms | idle ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | tokens/s timed | tokens/s free | MFU timed | MFU free | peak GiB | optimizer ms | idle ms "
+             "| compile s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in reports.items():
         free, split = r["free_running"], r.get("gpu_time_split")
-        peak = r.get("peak_memory_bytes")
+        peak, compiled = r.get("peak_memory_bytes"), (r.get("compile_time") or {}).get("seconds")
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {free['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
                      f"{free['mfu']:.1%} | {'-' if peak is None else f'{peak / 2**30:.2f}'} | "
-                     f"{_ms(split, 'optimizer')} | {_ms(split, 'idle')} |")
+                     f"{_ms(split, 'optimizer')} | {_ms(split, 'idle')} | "
+                     f"{'-' if compiled is None else f'{compiled:.1f}'} |")
     return lines
 
 
-def targets(reports: dict[str, dict]) -> list[str]:
-    """One line per target: its measured value and PASS / FAIL, or why it was not checked."""
+#: the trainer's line after each compile (trainer/compile_times.py)
+_COMPILE_LINE = re.compile(r"torch\.compile: (.+) compiled in ([0-9.]+) s \((\d+) compiles, ([0-9.]+) s so far\)")
+
+
+def compile_progress(folder: str, name: str) -> str | None:
+    """What the log `<name>.log` in `folder` says was compiled: the count, the seconds and the slowest compile;
+    None without such lines."""
+    try:
+        with open(os.path.join(folder, f"{name}.log")) as f:
+            found = [m for m in map(_COMPILE_LINE.search, f) if m]
+    except OSError:
+        return None
+    if not found:
+        return None
+    slowest = max(found, key=lambda m: float(m.group(2)))
+    return f"its log: {found[-1].group(3)} compiles done in {float(found[-1].group(4)):.1f} s, the slowest " \
+           f"{slowest.group(1)} ({float(slowest.group(2)):.1f} s)"
+
+
+def targets(reports: dict[str, dict], folder: str) -> list[str]:
+    """One line per target: its measured value and PASS / FAIL, or why it was not checked (with what the missing
+    variants' logs say they compiled)."""
     lines = []
     for label, name, base, threshold in TARGETS:
         missing = [n for n in (name, base) if n is not None and n not in reports]
         if missing:
-            lines.append(f"- {label}: not run ({', '.join(missing)} missing)")
+            said = [f"{n}: {progress}" for n in missing if (progress := compile_progress(folder, n))]
+            lines.append(f"- {label}: not run ({', '.join(missing)} missing" + "".join(f"; {s}" for s in said) + ")")
             continue
         value = reports[name]["free_running"]["tokens_per_s"] / reports[base]["free_running"]["tokens_per_s"] \
             if base is not None else reports[name]["free_running"]["mfu"]
@@ -94,7 +120,7 @@ def tests(folder: str) -> list[str]:
 def summary(folder: str) -> str:
     """The whole table: reports, targets, tests."""
     reports = load_reports(folder)
-    parts = rows(reports) + ["", "Targets (free-running, compiled):"] + targets(reports)
+    parts = rows(reports) + ["", "Targets (free-running, compiled):"] + targets(reports, folder)
     parts += ["", "Tests:"] + (tests(folder) or ["- none run"])
     return "\n".join(parts) + "\n"
 

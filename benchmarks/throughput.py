@@ -81,6 +81,9 @@ said otherwise:
                       optimizer, communication, other; an activation-checkpoint recompute runs in backward), so
                       the cost of AC is (step time with AC - without) / forward kernel time without
   top_ops             the ops with the most self CPU time in the profiled step
+  compile_time        compiles (torch.compile graphs, a backward counted apart) and seconds: their wall time in this
+                      process (`trainer.compile_times`; each is also a line of the trainer's log); 0 and 0.0 when
+                      nothing compiled
   time_budget         the profiled step against the measured peak (deepseek_v3 models): for "matmul" (mm, addmm,
                       grouped_mm, scaled_mm: the parameter matmuls) and "attention" (bmm and softmax of SDPA's math path, or
                       the flash kernels), measured_s, at_peak_s (their model FLOPs / peak) and efficiency (at_peak_s
@@ -430,6 +433,7 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
         "time_split_share": {k: v / split_total for k, v in split.items()},
         "gpu_time_split": gpu_split,
         "time_budget": time_budget(measured, budget_total, cfg, tokens_per_step, peak),
+        "compile_time": {"compiles": trainer.compile_times.compiles, "seconds": trainer.compile_times.seconds},
         "top_ops": [{"name": r.key, "self_cpu_ms": round(r.self_cpu_time_total / 1e3, 3), "count": r.count}
                     for r in rows],
     }

@@ -14,7 +14,9 @@ job through the real trainer and records the loss and the number of compiled gra
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import sys
 
 if __name__ == "__main__":  # torchrun worker: make the repo importable before its modules
@@ -33,6 +35,7 @@ from parallelisms.compile import CompileSection, compile_loss, compiled_modules
 from quantization.fp8.config import Fp8Section, fp8_selection
 from quantization.fp8.convert import apply_fp8
 from core.loss import IGNORE_INDEX, count_valid_tokens, cross_entropy_sum
+from trainer.compile_times import CompileTimes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -193,6 +196,45 @@ def test_compile_on_this_torch_sets_the_limit_per_call(monkeypatch):
     assert [c["recompile_limit"] for c in calls] == [12] * 6
 
 
+def test_compile_times_log_each_compile_with_its_time(caplog):
+    """trainer/compile_times.py: a line per compile, the graph and then its backward (compiled lazily in the first
+    backward), with the running count and total; nothing once closed."""
+    times = CompileTimes()
+    fn = torch.compile(lambda x: (x * 2).sin().sum(), backend="aot_eager", fullgraph=True)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        fn(torch.randn(4, requires_grad=True)).backward()
+        times.close()
+        fn(torch.randn(4, 3, requires_grad=True)).backward()  # a recompile, after close: not counted
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("torch.compile:")]
+    assert len(lines) == times.compiles == 2, lines
+    assert re.fullmatch(r"torch\.compile: graph \d+/0 compiled in \d+\.\d s \(1 compiles, \d+\.\d s so far\)", lines[0])
+    assert re.fullmatch(r"torch\.compile: backward of graph \d+/0 compiled in \d+\.\d s \(2 compiles, \d+\.\d s so "
+                        r"far\)", lines[1])
+    assert times.seconds > 0
+
+
+@pytest.mark.slow
+def test_compile_cost_report_traces_the_real_fp8_kernels(capsys):
+    """benchmarks/compile_cost.py: the 671B-shape blocks traced with Hopper's FP8 kernels on CPU: every converted
+    linear's three GEMMs and the experts' nine are real FP8 GEMM ops in the graphs (not the emulation), none in
+    bf16's; the ratios are those of the reported counts."""
+    from benchmarks.compile_cost import main
+
+    report = main(["--recipes", "none", "blockwise"])
+    assert json.loads(capsys.readouterr().out) == report
+    none, blockwise = report["recipes"]["none"], report["recipes"]["blockwise"]
+    assert (none["converted"], blockwise["converted"]) == (0, 23)  # as the H200 run's log said
+    # dense: 7 linears (wq_a, wq_b, wkv_b, wo, w1, w2, w3); MoE: 4 attention and 3 shared-expert linears, and the
+    # routed experts' 3 grouped GEMMs forward, 3 dgrad, 3 wgrad
+    assert {k: b["fp8_gemms"] for k, b in blockwise["blocks"].items()} == {"dense": 21, "moe": 4 * 3 + 3 * 3 + 9}
+    assert all(b["fp8_gemms"] == 0 and b["forward_ops"] > 0 and b["backward_ops"] > 0 and b["trace_s"] > 0
+               for b in none["blocks"].values())
+    ops = {r: sum(b["forward_ops"] + b["backward_ops"] for b in v["blocks"].values())
+           for r, v in report["recipes"].items()}
+    assert report["ops_vs_none"] == {"none": 1.0, "blockwise": ops["blockwise"] / ops["none"]}
+    assert ops["blockwise"] > 2 * ops["none"]  # the quantisation of each GEMM's operands
+
+
 def test_compile_rejects_the_per_expert_loop():
     with torch.device("meta"):
         model = DeepSeekV3Model(TINY.replace(use_grouped_mm=False))
@@ -263,6 +305,11 @@ def assert_compiled_around_dispatcher_like_eager(eager: dict, compiled: dict) ->
     """The worker's results of the EP test: pieces compiled, no recompile after warm-up, losses as in eager."""
     modules = [name.replace("_checkpoint_wrapped_module.", "") for name in compiled["compiled_modules"]]
     assert modules, "the trainer did not compile the model (apply_compile not called)"
+    # the trainer's compile times: nothing compiled in eager; in a compiled job at least a forward and a backward
+    # (graphs that an earlier job of the launch compiled are reused: 13 compiles in the first, 3 in the second)
+    assert eager["compile_times"] == [0, 0.0]
+    compiles, seconds = compiled["compile_times"]
+    assert compiles >= 2 and seconds > 0, compiled["compile_times"]
     assert {"layers.0", "layers.1.attention", "layers.1.moe.router", "layers.1.moe.experts",
             "layers.1.moe.shared_experts"} <= set(modules), modules
     # counted after each train step: validation runs after steps 3 and 6, so its graphs show from step 4 on
@@ -287,6 +334,7 @@ def _worker(jobs_path: str, out_path: str) -> None:
         scalars = train_step(self, *args, **kwargs)
         current["graphs"].append(compiled_graphs())
         current["compiled_modules"] = compiled_modules(self.model_parts[0])
+        current["compile_times"] = [self.compile_times.compiles, self.compile_times.seconds]
         return scalars
 
     Trainer.train_step = counted_train_step

@@ -10,7 +10,11 @@ machine and on what else runs on it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import re
 import statistics
 import subprocess
 import sys
@@ -18,12 +22,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from torch._dynamo.callback import CallbackTrigger, callback_handler
 
 from benchmarks.common import KERNEL_CATEGORIES, busy_seconds, gpu_time_split, kernel_category
 from benchmarks.throughput import SMOKE_ARGS
 from models.deepseek_v3.args import FLAVORS
 from models.deepseek_v3.flops import attention_flops_per_token, block_flops_per_token
 from models.deepseek_v3.hf import hf_config_from_args
+from trainer.compile_times import CompileTimes
 
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")
@@ -34,6 +40,27 @@ def _run_json(script: str, timeout: float, *flags: str) -> dict:
                        stderr=subprocess.PIPE, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout)  # stdout holds exactly one JSON object
+
+
+@contextlib.contextmanager
+def _log_of(path: Path):
+    """The trainer's log lines at INFO and above into `path` while inside."""
+    logger, handler = logging.getLogger("trainer"), logging.FileHandler(path)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.setLevel(level)
+
+
+def _fake_compile(clock: list[float], trigger: CallbackTrigger, seconds: float) -> None:
+    """A compile as torch reports it to its callbacks, `seconds` long on the fake `clock`."""
+    with callback_handler.install_callbacks(trigger, "0/0"):
+        clock[0] += seconds
 
 
 def check_throughput_report(report: dict, world_size: int, ep: int, memory_track: str) -> None:
@@ -48,6 +75,9 @@ def check_throughput_report(report: dict, world_size: int, ep: int, memory_track
     assert config["parallel_degrees"] == {"dp_replicate": 1, "dp_shard": world_size, "ep": ep, "pp": 1}
     assert (config["steps"], config["warmup"], config["batch"], config["seq_len"]) == (2, 1, 2, 32)
     assert config["memory_track"] == memory_track
+    compiled = report["compile_time"]  # measured by the trainer's compile callbacks: none without compile
+    assert compiled["compiles"] > 0 and compiled["seconds"] > 0 if config["compile"] else \
+        compiled == {"compiles": 0, "seconds": 0.0}
     if cuda:  # the allocator's peaks and the kernel split are CUDA's; on CPU they are not measured: null
         check_gpu_time_split(report["gpu_time_split"])
         assert 0 < report["allocator"]["peak_allocated_bytes"] <= report["allocator"]["peak_reserved_bytes"]
@@ -370,9 +400,32 @@ def test_scaling_smoke_report_against_its_runs():
     assert report["ratio"] == pytest.approx(ep["aggregate_tokens_per_s"] / independent["aggregate_tokens_per_s"])
 
 
-def test_gpu_summary_checks_the_targets_from_the_reports(tmp_path):
+def test_gpu_session_script_skips_what_its_deadline_leaves_no_room_for(tmp_path):
+    """benchmarks/gpu_session.sh on CPU: the machine file, a step run (the kernel benchmark, which needs CUDA: exit
+    code 1) or skipped when the deadline leaves it less than two thirds of its limit, the summary and the table,
+    and the tarball."""
+    def session(deadline_s: int, out: Path) -> str:
+        env = {**os.environ, "PARTS": "kernels", "DEADLINE_S": str(deadline_s), "OUT": str(out),
+               "TARBALL": str(out / "session.tgz")}
+        r = subprocess.run(["bash", "benchmarks/gpu_session.sh"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert "torch" in (out / "machine.txt").read_text()
+        assert "Targets (free-running, compiled):" in (out / "table.md").read_text()
+        assert (out / "session.tgz").stat().st_size > 0
+        return (out / "summary.txt").read_text()
+
+    ran = session(300, tmp_path / "ran")
+    assert re.fullmatch(r"fp8_kernels rc=1 \d+s\n", ran), ran
+    assert "needs a CUDA GPU" in (tmp_path / "ran" / "fp8_kernels.log").read_text()
+    skipped = session(40, tmp_path / "skipped")  # the kernel step's limit is 75 s: it needs 50 s
+    assert re.fullmatch(r"fp8_kernels skipped: deadline \(\d+ s left of the 50 s it needs\)\n", skipped), skipped
+
+
+def test_gpu_summary_checks_the_targets_from_the_reports(tmp_path, monkeypatch):
     """benchmarks/gpu_summary.py: the table's rows and the targets from synthetic reports (ratios of free-running
-    tokens/s, MFU), a target whose reports are missing is "not run", the junit counts."""
+    tokens/s, MFU), a target whose reports are missing is "not run" with what its log says was compiled, the junit
+    counts."""
     from benchmarks.gpu_summary import summary
 
     def report(name, tokens_per_s, mfu):
@@ -380,20 +433,30 @@ def test_gpu_summary_checks_the_targets_from_the_reports(tmp_path):
         split = {"kernel_s": {"optimizer": 0.02}, "idle_s": 0.004}
         (tmp_path / f"{name}.json").write_text(json.dumps({
             "tokens_per_s": tokens_per_s * 0.9, "mfu": mfu * 0.9, "free_running": free,
-            "peak_memory_bytes": 3 * 2**30, "gpu_time_split": split}))
+            "peak_memory_bytes": 3 * 2**30, "gpu_time_split": split,
+            "compile_time": {"compiles": 4, "seconds": 31.25}}))
 
     report("b671_bf16", 1000.0, 0.4)
     report("b671_fp8_blockwise", 1200.0, 0.48)
     report("b671_fp8_rowwise", 1100.0, 0.44)
     report("b16_b4", 5000.0, 0.56)
     (tmp_path / "machine.json").write_text("[1, 2]")  # not a report
+    # stopped while compiling: the trainer's compile lines (trainer/compile_times.py) are all its log has
+    clock = [0.0]
+    monkeypatch.setattr("trainer.compile_times.time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    times = CompileTimes()
+    with _log_of(tmp_path / "b16_b2.log"):
+        for trigger, seconds in ((CallbackTrigger.DYNAMO, 40.0), (CallbackTrigger.LAZY_BACKWARD, 30.0)):
+            _fake_compile(clock, trigger, seconds)
+    times.close()
     (tmp_path / "tests_cuda.xml").write_text('<testsuites><testsuite tests="12" failures="1" errors="0" '
                                              'skipped="2"/></testsuites>')
     text = summary(str(tmp_path))
-    assert "| b671_fp8_blockwise | 1,080 | 1,200 | 43.2% | 48.0% | 3.00 | 20.0 | 4.0 |" in text
+    assert "| b671_fp8_blockwise | 1,080 | 1,200 | 43.2% | 48.0% | 3.00 | 20.0 | 4.0 | 31.2 |" in text
     assert "- 671B shapes: FP8 blockwise / bf16 tokens/s >= 1.15: 1.20x PASS" in text
     assert "- 671B shapes: FP8 rowwise / bf16 tokens/s >= 1.15: 1.10x FAIL" in text
     assert "- 16B shapes, compiled B4: MFU >= 55%: 56.0% PASS" in text
-    assert "- 16B shapes, compiled B2: MFU >= 50%: not run (b16_b2 missing)" in text
+    assert "- 16B shapes, compiled B2: MFU >= 50%: not run (b16_b2 missing; b16_b2: its log: 2 compiles done in " \
+           "70.0 s, the slowest graph 0/0 (40.0 s))" in text
     assert "- tests_cuda.xml: 12 tests, 1 failures, 0 errors, 2 skipped" in text
     assert "machine" not in text

@@ -48,6 +48,7 @@ from parallelisms.pipeline import build_schedule
 from trainer import device as devices
 from trainer.build import build_model_parts, materialize
 from trainer.checkpoint.files import CheckpointError
+from trainer.compile_times import CompileTimes
 from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError
 from trainer.data.config import DatasetError
 from trainer.data.for_job import data_errors_at
@@ -174,6 +175,8 @@ class Trainer:
         logger.info("model %s (%s): %.2fM params (%.2fM active per token), %.1f MFLOP/token, device %s, world %d",
                     cfg.model.name, source, self.total_params / 1e6, self.active_params / 1e6,
                     self.flops_per_token / 1e6, device, self.dims.world_size)
+        # whatever compiles (the blocks and loss of [compile], the BF16-moment step on CUDA): a line per compile
+        self.compile_times = CompileTimes()
         if self.start_step < cfg.training.steps:
             self._announce_compile()
 
@@ -574,6 +577,7 @@ class Trainer:
 
     def close(self) -> None:
         self.preemption.close()
+        self.compile_times.close()
         if self.heartbeat is not None:
             self.heartbeat.close()
         self.checkpoint.finish()

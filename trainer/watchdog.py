@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch._dynamo.callback import callback_handler
 
 from core.config import option
+from trainer.compile_times import remove_compile_callbacks
 from trainer.launch import HUNG_MARKER, leave_marker, report_line
 
 __all__ = ["COLLECTIVE_MARGIN_S", "CommSection", "Heartbeat", "set_process_group_timeouts"]
@@ -278,10 +279,7 @@ class Heartbeat:
     def close(self) -> None:
         """Stop beating and watching; the last heartbeat says this rank is done, so no watcher waits for it."""
         self._stop.set()
-        for callbacks, callback in ((callback_handler.start_callbacks, self._compile_started),
-                                    (callback_handler.end_callbacks, self._compile_ended)):
-            if callback in callbacks:  # torch._dynamo.reset() clears them
-                callbacks.remove(callback)
+        remove_compile_callbacks(self._compile_started, self._compile_ended)
         for thread in self._threads:
             thread.join(timeout=2 * self.PERIOD)
         try:
