@@ -8,7 +8,7 @@
 # (benchmarks/fp8_kernels.py); last a short table (benchmarks/gpu_summary.py) with the targets checked. A step that
 # the deadline (DEADLINE_S) leaves less than two thirds of its limit is skipped, and listed as skipped. On the
 # 2026-11-26 H200 the tests took 44-80 s, a compiled bf16 run 59-72 s, and the FP8 runs did not finish in 90 s: their
-# graphs are 3-4x bf16's (docs/compile.md, "Compile time"), so they get 210 s each. One call reaches about the
+# graphs hold 3.4-3.5x bf16's ops (docs/compile.md, "Compile time"), so they get 210 s each. One call reaches about the
 # tests; a second, `PARTS="tests b16 kernels"`, takes the rest.
 #
 #   bash benchmarks/gpu_session.sh                  # everything; writes to $OUT if set, else outputs/gpu_session
@@ -101,7 +101,8 @@ b16=train_configs/h100_bench.toml
 
 # (3) compiled throughput at 671B's GEMM shapes, the most decisive target (FP8 >= 1.15x bf16): bf16, FP8 blockwise,
 # FP8 rowwise in one call, so the ratios compare runs on one machine. On the H200 (2026-11-26) the bf16 run took
-# 59-72 s, most of it start-up and compiling; the FP8 runs did not finish within 90 s: their graphs are 3-4x bf16's
+# 59-72 s, most of it start-up and compiling; the FP8 runs did not finish within 90 s: their graphs hold 3.4-3.5x
+# bf16's ops
 has b671 && bench b671_bf16 90 "$b671" --compile.enable true
 has b671 && bench b671_fp8_blockwise 210 "$b671" --compile.enable true --fp8.recipe blockwise
 has b671 && bench b671_fp8_rowwise 210 "$b671" --compile.enable true --fp8.recipe rowwise

@@ -26,9 +26,10 @@ ROWWISE_ALIGN = 16
 QDQ_WORK_BYTES = 5
 
 
-_EXPONENT_BITS, _MANTISSA_BITS, _ONE = 0x7F800000, 0x007FFFFF, 127 << 23  # fp32 fields; 1.0's bits
-# 448 = 1.75 * 2^8: for amax = 1.m * 2^E, amax / 448 <= 2^(E - 8) exactly when 1.m <= 1.75 (mantissa <= 0x600000)
-_E4M3_MAX_MANTISSA = 0x600000
+_EXPONENT_BITS, _ONE = 0x7F800000, 127 << 23  # fp32's exponent field; 1.0's bits
+# 448 = 1.75 * 2^8: for amax = 1.m * 2^E, amax / 448 <= 2^(E - 8) exactly when 1.m <= 1.75 (mantissa <= 0x600000).
+# Adding 0x800000 - 0x600001 to the bits carries into the exponent field exactly when the mantissa is above that
+_CARRY_ABOVE_1_75 = 0x800000 - 0x600001
 
 
 def _pow2_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,10 +38,10 @@ def _pow2_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Computed on amax's bits: integer arithmetic and comparisons only, no division, frexp, ldexp or exp2, which a
     compiler may lower to approximations (Triton's fp32 division and exp2 are). So torch.compile on a GPU quantises
     to the same bits as eager code, and the quantised values are t * (1 / s): a product by a power of two, exact
-    like the division it stands for."""
+    like the division it stands for. Few ops, as every FP8 GEMM operand of a compiled graph holds them."""
     bits = amax.float().clamp_min(2.0 ** -126).view(torch.int32)  # normal: the exponent field is E + 127
-    above = ((bits & _MANTISSA_BITS) > _E4M3_MAX_MANTISSA).to(torch.int32)  # int32 throughout, for the bit views
-    scale_bits = ((bits & _EXPONENT_BITS) - (8 << 23) + (above << 23)).clamp_min(1 << 23)  # 2^(E-8|E-7) >= 2^-126
+    # the exponent field of 2^(E-8), or of 2^(E-7) when the carry came: at least 2^-126's
+    scale_bits = (((bits + _CARRY_ABOVE_1_75) & _EXPONENT_BITS) - (8 << 23)).clamp_min(1 << 23)
     scale_bits = torch.where(amax > 0, scale_bits, _ONE)
     return scale_bits.view(torch.float32), (2 * _ONE - scale_bits).view(torch.float32)
 
