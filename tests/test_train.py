@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from trainer.memory.ranks import read_worst_ranks
 from trainer.metrics import read_hparams, read_scalars, run_dirs
 from core.model_spec import TrainingHooks, register_model_spec
 from trainer.registry import get_model_spec
+from trainer.summary import RunSummary
 from trainer.train import Trainer, prepare, run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,6 +76,7 @@ def test_debug_model_trains_with_falling_loss_and_tensorboard(tmp_path, caplog):
     assert scalars["run/peak_memory_GiB"][0][1] == pytest.approx(max(v for _, v in
                                                                      scalars["memory/peak_allocated_GiB/max"]))
     assert scalars["run/job_tokens_per_s"][0][1] > 0
+    assert "run/compile_s" not in scalars  # nothing compiled: not measured, so not written
     # the expert bias moved (aux-loss-free balancing ran once per step)
     assert scalars["moe/layer_1/bias_range"][-1][1] > 0
     # console: step 1 although log_freq is 4, then every 4th step; one summary line of the whole run
@@ -84,6 +87,19 @@ def test_debug_model_trains_with_falling_loss_and_tensorboard(tmp_path, caplog):
     assert re.fullmatch(rf"run done: steps 1-8 in (\d+\.\d s|\d+m\d\ds), 2,048 tokens, final loss {losses[-1]:.4f}, "
                         rf"validation loss {val_loss:.4f} \(step 8\), peak tensor memory {peak:.2f} GiB, "
                         rf"tensorboard {re.escape(run_dir)}, no checkpoint", summary), summary
+
+
+def test_run_summary_says_how_long_compiling_took():
+    """A compiled run's summary line says how much of its steps' time went to torch.compile, and its HParams row
+    gets `run/compile_s`; an uncompiled run's has neither."""
+    summary = RunSummary(start=time.perf_counter())
+    summary.add_step(1, 2.5, 512, 60.0)
+    summary.add_step(2, 2.25, 512, 0.5)
+    assert "compiling" not in summary.line(0, 2, None, None) and "run/compile_s" not in summary.run_metrics()
+    summary.compile_s = 47.8
+    assert re.match(r"steps 1-2 in \d+\.\d s \(47\.8 s of it compiling\), 1,024 tokens, final loss 2\.2500, ",
+                    summary.line(0, 2, None, None))
+    assert summary.run_metrics()["run/compile_s"] == 47.8
 
 
 @pytest.mark.slow

@@ -5,8 +5,9 @@ progress instead of a silent first step, and a run stopped while compiling still
 time went.
 
 The times come from torch's compile callbacks (`torch._dynamo.callback`): a start and an end around each outermost
-compile, code generation included (inductor's kernels are compiled before the end callback runs). The watchdog
-(trainer/watchdog.py) uses the same callbacks to count compiling as progress.
+compile, code generation included (inductor waits for its kernels' compiles before it returns; autotuning at a
+kernel's first run comes later and is not counted). A compile that fails ends its callbacks too, so its line is
+followed by the error. The watchdog (trainer/watchdog.py) uses the same callbacks to count compiling as progress.
 """
 
 from __future__ import annotations

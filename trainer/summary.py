@@ -14,10 +14,10 @@ from trainer.metrics import layout_label
 
 __all__ = ["RUN_METRICS", "RunSummary", "duration", "run_hparams"]
 
-RUN_METRICS = ("run/peak_memory_GiB", "run/job_tokens_per_s", "run/final_loss")
+RUN_METRICS = ("run/peak_memory_GiB", "run/job_tokens_per_s", "run/final_loss", "run/compile_s")
 """The HParams table's metrics: the largest per-rank peak of tensor memory (process RSS where tensor memory was not
-tracked), the whole job's tokens per second (every data-parallel rank's) after its first step, and the loss of the
-last step."""
+tracked), the whole job's tokens per second (every data-parallel rank's) after its first step, the loss of the
+last step, and the seconds rank 0 spent compiling (`trainer/compile_times.py`; absent when nothing compiled)."""
 
 
 def duration(seconds: float) -> str:
@@ -58,6 +58,7 @@ class RunSummary:
     timed_seconds: float = 0.0
     several_ranks: bool = False
     peak: tuple[str, float, str] | None = None  # (field, GiB, the rank with its place) of the largest peak
+    compile_s: float = 0.0  # rank 0's torch.compile time within these steps
 
     def add_step(self, step: int, loss: float, tokens: float, seconds: float) -> None:
         """Record one finished step: its loss, the global tokens it trained on and its duration."""
@@ -87,13 +88,16 @@ class RunSummary:
             metrics["run/peak_memory_GiB"] = self.peak[1]
         if self.timed_seconds > 0:
             metrics["run/job_tokens_per_s"] = self.timed_tokens / self.timed_seconds
+        if self.compile_s > 0:
+            metrics["run/compile_s"] = self.compile_s
         return metrics
 
     def line(self, start_step: int, total_steps: int, tb_run_dir: str | None, checkpoint: str | None) -> str:
         """The summary (after "run done: ")."""
         if self.steps == 0:
             return f"nothing to train (resumed at step {start_step} of {total_steps})"
-        parts = [f"steps {self.first_step}-{self.last_step} in {duration(time.perf_counter() - self.start)}",
+        compiling = f" ({duration(self.compile_s)} of it compiling)" if self.compile_s > 0 else ""
+        parts = [f"steps {self.first_step}-{self.last_step} in {duration(time.perf_counter() - self.start)}{compiling}",
                  f"{self.tokens:,} tokens", f"final loss {self.loss:.4f}"]
         if self.validation is not None:
             parts.append(f"validation loss {self.validation[1]:.4f} (step {self.validation[0]})")

@@ -569,6 +569,7 @@ class Trainer:
         one that decides whether a layout fits) and the rank that had it; the HParams row's metrics."""
         if self.rank != 0:
             return
+        summary.compile_s = self.compile_times.seconds
         if self.preempted is None:  # a preempted run ends with the preemption's line instead (step, checkpoint)
             logger.info("run done: %s", summary.line(self.start_step, self.cfg.training.steps, self.tb_run_dir,
                                                      self.checkpoint.last_published))
