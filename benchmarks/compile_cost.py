@@ -18,8 +18,9 @@ measured here: it needs the device, and grows with the ops it lowers, which this
 
 Output (JSON on stdout): model (the cut args), torch, and per recipe: converted (modules converted to FP8) and
 blocks {dense, moe}, each with forward_ops, backward_ops, fp8_gemms (how many of them are real FP8 GEMMs), trace_s
-(dynamo + AOT autograd, the backward lowered with the forward) and top_ops (the most frequent ops of both graphs); ops_vs_none: each recipe's ops (forward +
-backward, both blocks) over recipe none's, and trace_s_vs_none the same for the tracing time, measured in this run.
+(dynamo + AOT autograd, the backward lowered with the forward) and top_ops (the most frequent ops of both graphs);
+ops_vs_none: each recipe's ops (forward + backward, both blocks) over recipe none's, and trace_s_vs_none the same
+for the tracing time, measured in this run.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def trace(recipe: str, args: ModelArgs, batch: int, seq_len: int) -> dict:
             try:
                 model.layers[str(layer_id)](h, cos, sin)
             except (RuntimeError, NotImplementedError, ValueError):
-                pass  # a real FP8 GEMM, which has no CPU kernel: reached after the tracing
+                if recipe == "none":  # no FP8 GEMM to stop at: a real error
+                    raise
+                # else a real FP8 GEMM, which has no CPU kernel: reached after the tracing
             if kind not in blocks:
                 raise RuntimeError(f"recipe {recipe}: the {kind} block traced no backward graph")
     return {"converted": len(converted), "blocks": blocks}

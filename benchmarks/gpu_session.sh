@@ -8,8 +8,9 @@
 # (benchmarks/fp8_kernels.py); last a short table (benchmarks/gpu_summary.py) with the targets checked. A step that
 # the deadline (DEADLINE_S) leaves less than two thirds of its limit is skipped, and listed as skipped. On the
 # 2026-11-26 H200 the tests took 44-80 s, a compiled bf16 run 59-72 s, and the FP8 runs did not finish in 90 s: their
-# graphs hold 3.4-3.5x bf16's ops (docs/compile.md, "Compile time"), so they get 210 s each. One call reaches about the
-# tests; a second, `PARTS="tests b16 kernels"`, takes the rest.
+# graphs hold 3.4-3.5x bf16's ops (docs/compile.md, "Compile time"), so they get up to 210 s each (the second what
+# the default 450 s leave it). One call reaches about the tests; a second, `PARTS="tests b16 kernels"`, takes the
+# rest.
 #
 #   bash benchmarks/gpu_session.sh                  # everything; writes to $OUT if set, else outputs/gpu_session
 #   PARTS="tests kernels" bash benchmarks/gpu_session.sh   # only some of: b671 tests b16 kernels eager (default:
@@ -138,5 +139,6 @@ fi
 cat "$summary"
 python benchmarks/gpu_summary.py "$out" | tee "$out/table.md"
 if [ -n "${TARBALL:-}" ]; then  # written beside and then moved: TARBALL may lie in the folder it packs
-  tar czf "$TARBALL.partial" -C "$out" --exclude="./$(basename "$TARBALL").partial" . && mv "$TARBALL.partial" "$TARBALL"
+  tar czf "$TARBALL.partial" -C "$out" --exclude="$(basename "$TARBALL").partial" . &&
+    mv "$TARBALL.partial" "$TARBALL"
 fi

@@ -24,6 +24,7 @@ if __name__ == "__main__":  # torchrun worker: make the repo importable before i
 
 import pytest
 import torch
+from torch._dynamo.callback import callback_handler
 from torch._dynamo.utils import counters
 
 from models.deepseek_v3.args import ModelArgs
@@ -198,19 +199,19 @@ def test_compile_on_this_torch_sets_the_limit_per_call(monkeypatch):
 
 def test_compile_times_log_each_compile_with_its_time(caplog):
     """trainer/compile_times.py: a line per compile, the graph and then its backward (compiled lazily in the first
-    backward), with the running count and total; nothing once closed."""
-    times = CompileTimes()
+    backward), with the running count and total; nothing outside its `with`, where torch's callbacks hold it not."""
     fn = torch.compile(lambda x: (x * 2).sin().sum(), backend="aot_eager", fullgraph=True)
     with caplog.at_level(logging.INFO, logger="trainer"):
-        fn(torch.randn(4, requires_grad=True)).backward()
-        times.close()
-        fn(torch.randn(4, 3, requires_grad=True)).backward()  # a recompile, after close: not counted
+        with CompileTimes() as times:
+            fn(torch.randn(4, requires_grad=True)).backward()
+        fn(torch.randn(4, 3, requires_grad=True)).backward()  # a recompile, outside: not counted
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("torch.compile:")]
     assert len(lines) == times.compiles == 2, lines
     assert re.fullmatch(r"torch\.compile: graph \d+/0 compiled in \d+\.\d s \(1 compiles, \d+\.\d s so far\)", lines[0])
     assert re.fullmatch(r"torch\.compile: backward of graph \d+/0 compiled in \d+\.\d s \(2 compiles, \d+\.\d s so "
                         r"far\)", lines[1])
     assert times.seconds > 0
+    assert times._start not in callback_handler.start_callbacks and times._end not in callback_handler.end_callbacks
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -75,9 +76,11 @@ def check_throughput_report(report: dict, world_size: int, ep: int, memory_track
     assert config["parallel_degrees"] == {"dp_replicate": 1, "dp_shard": world_size, "ep": ep, "pp": 1}
     assert (config["steps"], config["warmup"], config["batch"], config["seq_len"]) == (2, 1, 2, 32)
     assert config["memory_track"] == memory_track
-    compiled = report["compile_time"]  # measured by the trainer's compile callbacks: none without compile
-    assert compiled["compiles"] > 0 and compiled["seconds"] > 0 if config["compile"] else \
-        compiled == {"compiles": 0, "seconds": 0.0}
+    compiled = report["compile_time"]  # measured by the trainer's compile callbacks
+    if config["compile"]:
+        assert compiled["compiles"] > 0 and compiled["seconds"] > 0
+    elif not cuda:  # (on CUDA BF16 moments compile their optimizer step whatever [compile] says)
+        assert compiled == {"compiles": 0, "seconds": 0.0}
     if cuda:  # the allocator's peaks and the kernel split are CUDA's; on CPU they are not measured: null
         check_gpu_time_split(report["gpu_time_split"])
         assert 0 < report["allocator"]["peak_allocated_bytes"] <= report["allocator"]["peak_reserved_bytes"]
@@ -400,10 +403,14 @@ def test_scaling_smoke_report_against_its_runs():
     assert report["ratio"] == pytest.approx(ep["aggregate_tokens_per_s"] / independent["aggregate_tokens_per_s"])
 
 
+@pytest.mark.slow
 def test_gpu_session_script_skips_what_its_deadline_leaves_no_room_for(tmp_path):
     """benchmarks/gpu_session.sh on CPU: the machine file, a step run (the kernel benchmark, which needs CUDA: exit
     code 1) or skipped when the deadline leaves it less than two thirds of its limit, the summary and the table,
-    and the tarball."""
+    and the tarball, made inside the output folder it packs."""
+    if (REPO / ".venv").exists() and not (REPO / ".venv" / "pyvenv.cfg").exists():
+        pytest.skip("the script would replace this .venv (not a virtual environment) by its wrapper")
+
     def session(deadline_s: int, out: Path) -> str:
         env = {**os.environ, "PARTS": "kernels", "DEADLINE_S": str(deadline_s), "OUT": str(out),
                "TARBALL": str(out / "session.tgz")}
@@ -412,14 +419,17 @@ def test_gpu_session_script_skips_what_its_deadline_leaves_no_room_for(tmp_path)
         assert r.returncode == 0, r.stderr[-4000:]
         assert "torch" in (out / "machine.txt").read_text()
         assert "Targets (free-running, compiled):" in (out / "table.md").read_text()
-        assert (out / "session.tgz").stat().st_size > 0
+        with tarfile.open(out / "session.tgz") as tar:
+            names = {os.path.normpath(n) for n in tar.getnames()}
+        assert {"machine.txt", "summary.txt", "table.md"} <= names and not any(n.endswith(".tgz.partial")
+                                                                                for n in names), names
         return (out / "summary.txt").read_text()
 
     ran = session(300, tmp_path / "ran")
     assert re.fullmatch(r"fp8_kernels rc=1 \d+s\n", ran), ran
     assert "needs a CUDA GPU" in (tmp_path / "ran" / "fp8_kernels.log").read_text()
     skipped = session(40, tmp_path / "skipped")  # the kernel step's limit is 75 s: it needs 50 s
-    assert re.fullmatch(r"fp8_kernels skipped: deadline \(\d+ s left of the 50 s it needs\)\n", skipped), skipped
+    assert re.fullmatch(r"fp8_kernels skipped: deadline \(-?\d+ s left of the 50 s it needs\)\n", skipped), skipped
 
 
 def test_gpu_summary_checks_the_targets_from_the_reports(tmp_path, monkeypatch):
@@ -444,11 +454,9 @@ def test_gpu_summary_checks_the_targets_from_the_reports(tmp_path, monkeypatch):
     # stopped while compiling: the trainer's compile lines (trainer/compile_times.py) are all its log has
     clock = [0.0]
     monkeypatch.setattr("trainer.compile_times.time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    times = CompileTimes()
-    with _log_of(tmp_path / "b16_b2.log"):
+    with _log_of(tmp_path / "b16_b2.log"), CompileTimes():
         for trigger, seconds in ((CallbackTrigger.DYNAMO, 40.0), (CallbackTrigger.LAZY_BACKWARD, 30.0)):
             _fake_compile(clock, trigger, seconds)
-    times.close()
     (tmp_path / "tests_cuda.xml").write_text('<testsuites><testsuite tests="12" failures="1" errors="0" '
                                              'skipped="2"/></testsuites>')
     text = summary(str(tmp_path))

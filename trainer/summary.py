@@ -58,7 +58,7 @@ class RunSummary:
     timed_seconds: float = 0.0
     several_ranks: bool = False
     peak: tuple[str, float, str] | None = None  # (field, GiB, the rank with its place) of the largest peak
-    compile_s: float = 0.0  # rank 0's torch.compile time within these steps
+    compile_s: float = 0.0  # rank 0's torch.compile time while training (`Trainer.compile_times`)
 
     def add_step(self, step: int, loss: float, tokens: float, seconds: float) -> None:
         """Record one finished step: its loss, the global tokens it trained on and its duration."""

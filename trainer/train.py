@@ -48,8 +48,8 @@ from parallelisms.pipeline import build_schedule
 from trainer import device as devices
 from trainer.build import build_model_parts, materialize
 from trainer.checkpoint.files import CheckpointError
-from trainer.compile_times import CompileTimes
 from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError
+from trainer.compile_times import CompileTimes
 from trainer.data.config import DatasetError
 from trainer.data.for_job import data_errors_at
 from trainer.expert_load import IMAGE_TAG, expert_load_image, rows_of
@@ -175,7 +175,8 @@ class Trainer:
         logger.info("model %s (%s): %.2fM params (%.2fM active per token), %.1f MFLOP/token, device %s, world %d",
                     cfg.model.name, source, self.total_params / 1e6, self.active_params / 1e6,
                     self.flops_per_token / 1e6, device, self.dims.world_size)
-        # whatever compiles (the blocks and loss of [compile], the BF16-moment step on CUDA): a line per compile
+        # whatever compiles while training (the blocks and loss of [compile], the BF16-moment step on CUDA): a line
+        # per compile; measured inside `train` only
         self.compile_times = CompileTimes()
         if self.start_step < cfg.training.steps:
             self._announce_compile()
@@ -422,7 +423,7 @@ class Trainer:
             self._stop_for_preemption(self.start_step)
             steps = range(0)
         pending = PendingSteps()
-        with self.memory, self.snapshots, self._logged_on_error(pending, summary, losses, history):
+        with self.memory, self.snapshots, self.compile_times, self._logged_on_error(pending, summary, losses, history):
             self._window_start = time.perf_counter()
             for step in steps:
                 self._advance("reading its batch", step)
@@ -578,7 +579,6 @@ class Trainer:
 
     def close(self) -> None:
         self.preemption.close()
-        self.compile_times.close()
         if self.heartbeat is not None:
             self.heartbeat.close()
         self.checkpoint.finish()
