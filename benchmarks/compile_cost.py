@@ -63,13 +63,10 @@ HOPPER = Platform("cuda", (9, 0), blockwise_scaled_mm=True, scaled_grouped_mm=Tr
                   torch_version=torch.__version__)
 
 
-def _op_counter(into: Counter):
-    """An AOT autograd compiler that counts the ops of its graph into `into` and returns it to run as it is."""
-    def compiler(gm: torch.fx.GraphModule, example_inputs):
-        into.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and
-                    isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)))
-        return gm.forward
-    return compiler
+def _ops(gm: torch.fx.GraphModule) -> Counter:
+    """The ATen and custom ops a graph calls, by name."""
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and
+                   isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)))
 
 
 def trace(recipe: str, args: ModelArgs, batch: int, seq_len: int) -> dict:
@@ -83,20 +80,19 @@ def trace(recipe: str, args: ModelArgs, batch: int, seq_len: int) -> dict:
     blocks: dict[str, dict] = {}
     current: dict = {}
 
+    # AOT autograd compilers that count their graph's ops and hand it back to run as it is
     def forward_compiler(gm, inputs):
-        current["forward"] = Counter()
-        return _op_counter(current["forward"])(gm, inputs)
+        current["forward"] = _ops(gm)
+        return gm.forward
 
     def backward_compiler(gm, inputs):
-        current["backward"] = Counter()
-        compiled = _op_counter(current["backward"])(gm, inputs)
-        ops = current["forward"] + current["backward"]
-        blocks[current["kind"]] = {"forward_ops": sum(current["forward"].values()),
-                                   "backward_ops": sum(current["backward"].values()),
+        forward, backward = current["forward"], _ops(gm)
+        ops = forward + backward
+        blocks[current["kind"]] = {"forward_ops": sum(forward.values()), "backward_ops": sum(backward.values()),
                                    "fp8_gemms": sum(n for op, n in ops.items() if op.split(".")[1] in FP8_GEMMS),
                                    "trace_s": time.perf_counter() - current["t0"],
                                    "top_ops": dict(ops.most_common(8))}
-        return compiled
+        return gm.forward
 
     compile_model(model, CompileSection(enable=True, backend=aot_autograd(fw_compiler=forward_compiler,
                                                                            bw_compiler=backward_compiler)))

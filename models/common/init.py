@@ -128,9 +128,9 @@ def init_parameters_(items: Iterable[tuple[str, torch.Tensor, InitRule]], seed: 
 
     The blocks are drawn on the host, in parallel threads (as many as torch's intra-op threads), a group of
     parameters at a time: a group holds at most `staging_bytes` of float32 staging (or one larger parameter), and
-    the next parameter's staging exists beside it while it is drawn and copied to the parameters' device. The 2.57B parameters of the 671B-shape benchmark (train_configs/h100_bench_671b.toml) took
-    81 s on 2 CPU cores one block at a time, 40% of it in masked row copies that row-range shards no longer make,
-    and take 34 s so."""
+    the next parameter's staging exists beside it while it is drawn and copied to the parameters' device. The 2.57B
+    parameters of the 671B-shape benchmark (train_configs/h100_bench_671b.toml) took 81 s on 2 CPU cores one block
+    at a time, 40% of it in masked row copies that row-range shards no longer make, and take 34 s so."""
     workers = torch.get_num_threads()
     staged, staged_bytes = [], 0
     for fqn, param, rule in items:
