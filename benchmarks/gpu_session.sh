@@ -138,7 +138,8 @@ fi
 
 cat "$summary"
 python benchmarks/gpu_summary.py "$out" | tee "$out/table.md"
-if [ -n "${TARBALL:-}" ]; then  # written beside and then moved: TARBALL may lie in the folder it packs
-  tar czf "$TARBALL.partial" -C "$out" --exclude="$(basename "$TARBALL").partial" . &&
-    mv "$TARBALL.partial" "$TARBALL"
+if [ -n "${TARBALL:-}" ]; then  # written outside the folder, then moved: TARBALL may lie in the folder it packs,
+  # and tar fails on a folder that changes while it reads it
+  packed="$(mktemp)"
+  tar czf "$packed" -C "$out" --exclude="./$(basename "$TARBALL")" . && mv "$packed" "$TARBALL"
 fi
