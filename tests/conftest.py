@@ -1,7 +1,8 @@
-"""Shared test set-up: no network, no CUDA assumptions, the repo root importable and as working directory, and a
-bounded disk footprint (every temporary file under one folder removed at the end; a per-test budget)."""
+"""Shared test set-up: no network, no CUDA assumptions, the repo root importable and as working directory, the root
+logger as each test found it, and a bounded disk footprint (every temporary file under one folder removed at the end; a per-test budget)."""
 
 import getpass
+import logging
 import os
 import shutil
 import sys
@@ -93,3 +94,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _repo_cwd(monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored():
+    """A test that runs a trainer's or a benchmark's main in-process gets `init_logging`'s handler, bound to the
+    stderr pytest captured for that test and closes after it: left on the root logger, every later test's log line
+    became a "Logging error" traceback on its stderr. pytest's own capture handlers come and go per phase: kept."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if h not in handlers and not type(h).__module__.startswith("_pytest")]:
+        root.removeHandler(handler)
+    root.setLevel(level)
