@@ -13,6 +13,11 @@ this). Expert parallelism borrows ranks from the shard span: `dp_shard * cp = ef
              expert-load counts
     cp       the ranks that split each sequence (a mesh of its own over the same ranks, see `build_meshes`)
     pp       the pipeline stages
+
+The meshes are built once per layout and default process group, and reused by every later trainer of that layout in
+the process (tests and sweeps run several jobs in one launch): torch keeps a gloo group alive after
+`destroy_process_group` once a functional collective ran on it (docs/torch_versions.md), so a mesh per job leaked
+3 threads and 5 file descriptors per group, and the 54 jobs of one 4-rank test launch ran 2-3x slower at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -41,8 +47,25 @@ class Meshes:
         return None if mesh is None else mesh.get_group()
 
 
+#: the meshes built on the default process group `_built_on`, by (dims, device type)
+_built: dict[tuple, Meshes] = {}
+_built_on: dist.ProcessGroup | None = None
+
+
 def build_meshes(dims, device_type: str) -> Meshes:
-    """Create the world mesh for `dims` (a ParallelDims) on the default process group and slice it."""
+    """The meshes of `dims` (a ParallelDims) on the default process group: the ones built before for this layout,
+    or a new world mesh and its slices (see the module's docstring)."""
+    global _built_on
+    if _built_on is not dist.group.WORLD:  # a new default group: the old groups are gone with the old one
+        _built.clear()
+        _built_on = dist.group.WORLD
+    key = (dims, device_type)
+    if key not in _built:
+        _built[key] = _new_meshes(dims, device_type)
+    return _built[key]
+
+
+def _new_meshes(dims, device_type: str) -> Meshes:
     world = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.efsdp, dims.ep),
                              mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
     # the shard span: named dp_shard_cp when context-parallel ranks are part of it (as in torchtitan)

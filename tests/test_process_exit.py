@@ -1,9 +1,11 @@
-"""How a distributed process ends: `trainer.device.end_process`.
+"""A distributed process and the gloo groups torch never frees: how it ends (`trainer.device.end_process`), and
+several jobs in one process reusing their meshes (`parallelisms.mesh.build_meshes`).
 
 torch keeps a gloo process group (and its worker threads) alive after `destroy_process_group` once a functional
 collective ran on it, and the interpreter's teardown then races those threads (SIGABRT after a finished run, seen in
-tests/test_deepep.py). `end_process` skips that teardown; what it must not lose is output or the exit code. This file
-is also the torchrun worker (`python tests/test_process_exit.py CODE`).
+tests/test_deepep.py). `end_process` skips that teardown; what it must not lose is output or the exit code. A new
+mesh per job would add those threads at every job. This file is also the torchrun worker (`python
+tests/test_process_exit.py CODE`, or `jobs` for the jobs).
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ def test_without_a_process_group_it_is_a_plain_exit():
     assert exit_info.value.code == 4
 
 
-def _launch(nproc: int, code: int) -> tuple[int, str]:
+def _launch(nproc: int, code: int | str, **env: str) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.abspath(__file__), str(code)]
-    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", **env), capture_output=True,
+                       text=True, timeout=300)
     return r.returncode, r.stdout + r.stderr
 
 
@@ -84,6 +86,51 @@ def _worker(code: int) -> None:
     devices.end_process(code)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
+def test_jobs_in_one_process_reuse_their_layouts_groups(tmp_path):
+    """Three trainers in one launch: fsdp2 x ep2, fsdp2, fsdp2 x ep2 again. The third builds no group: its layout's
+    meshes are the first's, and each trainer's preemption-flag group is destroyed at its close. Before, the third
+    job added 4 groups and 12 gloo threads per rank."""
+    rc, out = _launch(2, "jobs", JOBS_DIR=str(tmp_path))
+    assert rc == 0, out[-3000:]
+    for rank in (0, 1):
+        counts = (tmp_path / f"counts_{rank}").read_text().splitlines()  # "groups G, gloo threads T" per job
+        assert len(counts) == 3, out[-3000:]
+        assert counts[2] == counts[1], counts
+        assert counts[1] != counts[0], counts  # the second layout did build its own: the count is not blind
+
+
+def _jobs_worker() -> None:
+    import torch.distributed as dist
+    from small_models import SMALL, hf_config_file
+
+    from trainer import device as devices
+    from trainer.job_config import load_config
+    from trainer.train import run
+
+    devices.init_distributed(timeout_s=60)
+    rank = dist.get_rank()
+    base = ["--job.config_file", "train_configs/debug_model.toml", "--model.hf_config_path", hf_config_file(SMALL),
+            "--training.seq_len", "16", "--training.local_batch_size", "2", "--training.steps", "1",
+            "--validation.enable", "false", "--memory.track", "off", "--metrics.enable_tensorboard", "false",
+            "--checkpoint.enable", "false"]
+    ep2 = ["--parallelism.expert_parallel_degree", "2"]
+    folder = os.environ["JOBS_DIR"]
+    for i, extra in enumerate([ep2, [], ep2]):
+        run(load_config(base + ["--job.dump_folder", os.path.join(folder, str(i))] + extra), shutdown=False)
+        dist.barrier()
+        groups = len(dist.distributed_c10d._world.pg_names)
+        with open(os.path.join(folder, f"counts_{rank}"), "a") as f:  # a file per rank: stdout interleaves them
+            f.write(f"groups {groups}, gloo threads {_gloo_threads()}\n")
+    devices.shutdown_distributed()
+    devices.end_process(0)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, REPO)
-    _worker(int(sys.argv[1]))
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    if sys.argv[1] == "jobs":
+        _jobs_worker()
+    else:
+        _worker(int(sys.argv[1]))

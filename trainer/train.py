@@ -160,8 +160,8 @@ class Trainer:
         self.start_step = self.checkpoint.load()
         signals = parse_signals(cfg.checkpoint.preemption_signals)
         # a gloo group of its own: the flag is a CPU tensor, and polling it never waits for a device
-        flag_group = dist.new_group(backend="gloo") if signals and dist.is_initialized() else None
-        self.preemption = Preemption(signals, flag_group)
+        self._flag_group = dist.new_group(backend="gloo") if signals and dist.is_initialized() else None
+        self.preemption = Preemption(signals, self._flag_group)
         self.preempted: Stop | None = None
         """How a preemption ended this run (set when the ranks agreed to stop)."""
         self.heartbeat = None
@@ -171,6 +171,9 @@ class Trainer:
         self.collective_timeout_s = cfg.comm.init_timeout_seconds  # the process groups' until the first steps
         if cfg.comm.init_timeout_steps == 0 and dist.is_initialized():
             self._enter_train_timeout()
+        elif dist.is_initialized():
+            # the mesh groups are reused (parallelisms/mesh.py): an earlier job may have left its train timeout
+            set_process_group_timeouts(self.collective_timeout_s)
         source = f"HF config {cfg.model.hf_config_path}" if cfg.model.hf_config_path else cfg.model.flavor
         logger.info("model %s (%s): %.2fM params (%.2fM active per token), %.1f MFLOP/token, device %s, world %d",
                     cfg.model.name, source, self.total_params / 1e6, self.active_params / 1e6,
@@ -579,6 +582,8 @@ class Trainer:
 
     def close(self) -> None:
         self.preemption.close()
+        if self._flag_group is not None:  # only plain collectives ran on it: destroying it frees its threads
+            dist.destroy_process_group(self._flag_group)
         if self.heartbeat is not None:
             self.heartbeat.close()
         self.checkpoint.finish()
