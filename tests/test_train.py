@@ -157,6 +157,11 @@ def test_deterministic_runs_are_bit_identical(tmp_path):
             "--memory.track", "off", "--metrics.enable_tensorboard", "false")
     first = run(_cfg(tmp_path / "a", *args))
     assert len(first) == 3 and first == run(_cfg(tmp_path / "b", *args))
+    assert torch.are_deterministic_algorithms_enabled()
+    # a process-wide switch: a later job of the same process that does not ask for it runs without it (on CUDA,
+    # deterministic mode refuses some ops outright)
+    run(_cfg(tmp_path / "c", *args[2:], "--training.steps", "1"))
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 @pytest.mark.slow

@@ -96,8 +96,8 @@ class Trainer:
         self.pp_group = self.meshes.group("pp") if self.meshes is not None else None
 
         torch.manual_seed(cfg.training.seed)
-        if cfg.training.deterministic:
-            torch.use_deterministic_algorithms(True)
+        # set both ways: a process-wide switch, which an earlier job of the process may have turned on
+        torch.use_deterministic_algorithms(cfg.training.deterministic)
 
         self.model_args = prep.model_args
         # with context parallelism the model and the loss get whole sequences and keep this rank's share
