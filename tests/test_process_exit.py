@@ -4,8 +4,8 @@ several jobs in one process reusing their meshes (`parallelisms.mesh.build_meshe
 torch keeps a gloo process group (and its worker threads) alive after `destroy_process_group` once a functional
 collective ran on it, and the interpreter's teardown then races those threads (SIGABRT after a finished run, seen in
 tests/test_deepep.py). `end_process` skips that teardown; what it must not lose is output or the exit code. A new
-mesh per job would add those threads at every job. This file is also the torchrun worker (`python
-tests/test_process_exit.py CODE`, or `jobs` for the jobs).
+mesh per job would add those threads at every job. This file is also the torchrun worker
+(`python tests/test_process_exit.py CODE` or `... jobs`).
 """
 
 from __future__ import annotations
@@ -91,17 +91,21 @@ def _worker(code: int) -> None:
 def test_jobs_in_one_process_reuse_their_layouts_groups(tmp_path):
     """Three trainers in one launch: fsdp2 x ep2, fsdp2, fsdp2 x ep2 again. The third builds no group: its layout's
     meshes are the first's, and each trainer's preemption-flag group is destroyed at its close. Before, the third
-    job added 4 groups and 12 gloo threads per rank."""
+    job added 4 groups and 12 gloo threads per rank. A closed trainer leaves the groups at the timeout of a new
+    group: the next job's first compile runs under it, as in a new process."""
     rc, out = _launch(2, "jobs", JOBS_DIR=str(tmp_path))
     assert rc == 0, out[-3000:]
     for rank in (0, 1):
-        counts = (tmp_path / f"counts_{rank}").read_text().splitlines()  # "groups G, gloo threads T" per job
+        counts = (tmp_path / f"counts_{rank}").read_text().splitlines()  # "groups G, gloo threads T, ..." per job
         assert len(counts) == 3, out[-3000:]
         assert counts[2] == counts[1], counts
         assert counts[1] != counts[0], counts  # the second layout did build its own: the count is not blind
+        # handed on as new groups: torch's default, not the 115 s train timeout (100 s + 15) the job ended with
+        assert all(line.endswith(", timeouts 0:30:00") for line in counts), counts
 
 
 def _jobs_worker() -> None:
+    import torch
     import torch.distributed as dist
     from small_models import SMALL, hf_config_file
 
@@ -120,9 +124,10 @@ def _jobs_worker() -> None:
     for i, extra in enumerate([ep2, [], ep2]):
         run(load_config(base + ["--job.dump_folder", os.path.join(folder, str(i))] + extra), shutdown=False)
         dist.barrier()
-        groups = len(dist.distributed_c10d._world.pg_names)
+        groups = [g for g in dist.distributed_c10d._world.pg_names if g is not dist.group.WORLD]
+        timeouts = sorted({str(g._get_backend(torch.device("cpu")).options._timeout) for g in groups})
         with open(os.path.join(folder, f"counts_{rank}"), "a") as f:  # a file per rank: stdout interleaves them
-            f.write(f"groups {groups}, gloo threads {_gloo_threads()}\n")
+            f.write(f"groups {len(groups)}, gloo threads {_gloo_threads()}, timeouts {' '.join(timeouts)}\n")
     devices.shutdown_distributed()
     devices.end_process(0)
 

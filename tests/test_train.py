@@ -160,7 +160,8 @@ def test_deterministic_runs_are_bit_identical(tmp_path):
     assert torch.are_deterministic_algorithms_enabled()
     # a process-wide switch: a later job of the same process that does not ask for it runs without it (on CUDA,
     # deterministic mode refuses some ops outright)
-    run(_cfg(tmp_path / "c", *args[2:], "--training.steps", "1"))
+    run(_cfg(tmp_path / "c", "--training.steps", "1", "--validation.enable", "false", "--memory.track", "off",
+             "--metrics.enable_tensorboard", "false"))
     assert not torch.are_deterministic_algorithms_enabled()
 
 

@@ -67,7 +67,7 @@ from trainer.preemption import PreemptedError, Preemption, Stop, listen, parse_s
 from trainer.prepare import Prepared, prepare, warn_settings_without_effect
 from trainer.step_scalars import PendingSteps, StepRecord, read_to_host
 from trainer.summary import RUN_METRICS, RunSummary, run_hparams
-from trainer.watchdog import COLLECTIVE_MARGIN_S, Heartbeat, set_process_group_timeouts
+from trainer.watchdog import COLLECTIVE_MARGIN_S, Heartbeat, reset_process_group_timeouts, set_process_group_timeouts
 
 logger = logging.getLogger("trainer")
 
@@ -171,9 +171,6 @@ class Trainer:
         self.collective_timeout_s = cfg.comm.init_timeout_seconds  # the process groups' until the first steps
         if cfg.comm.init_timeout_steps == 0 and dist.is_initialized():
             self._enter_train_timeout()
-        elif dist.is_initialized():
-            # the mesh groups are reused (parallelisms/mesh.py): an earlier job may have left its train timeout
-            set_process_group_timeouts(self.collective_timeout_s)
         source = f"HF config {cfg.model.hf_config_path}" if cfg.model.hf_config_path else cfg.model.flavor
         logger.info("model %s (%s): %.2fM params (%.2fM active per token), %.1f MFLOP/token, device %s, world %d",
                     cfg.model.name, source, self.total_params / 1e6, self.active_params / 1e6,
@@ -582,12 +579,17 @@ class Trainer:
 
     def close(self) -> None:
         self.preemption.close()
-        if self._flag_group is not None:  # only plain collectives ran on it: destroying it frees its threads
-            dist.destroy_process_group(self._flag_group)
         if self.heartbeat is not None:
             self.heartbeat.close()
         self.checkpoint.finish()
         self.metrics.close()
+        if dist.is_initialized():
+            # the next job of this process gets the mesh groups (parallelisms/mesh.py) as new ones, not at this job's
+            # train timeout, which would end its first compile
+            reset_process_group_timeouts(self.cfg.comm.init_timeout_seconds)
+            if self._flag_group is not None:  # only plain collectives ran on it: once unreferenced, it is freed
+                dist.destroy_process_group(self._flag_group)
+                self._flag_group = self.preemption.group = None
 
 
 def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None) -> list[float]:

@@ -51,6 +51,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch._dynamo.callback import callback_handler
+from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
 from core.config import option
 from trainer.compile_times import remove_compile_callbacks
@@ -92,6 +93,16 @@ def set_process_group_timeouts(seconds: float) -> None:
     groups = [dist.group.WORLD] + [g for g in list(c10d._world.pg_names) if g is not dist.group.WORLD]
     for group in groups:
         c10d._set_pg_timeout(timeout, group)
+
+
+def reset_process_group_timeouts(world_seconds: float) -> None:
+    """Give every process group the timeout it was created with: the default group `world_seconds` (its init
+    timeout), every other group torch's default for a new group of its backend (what the mesh groups start with)."""
+    c10d = dist.distributed_c10d
+    c10d._set_pg_timeout(timedelta(seconds=world_seconds), dist.group.WORLD)
+    for group in [g for g in list(c10d._world.pg_names) if g is not dist.group.WORLD]:
+        nccl = "nccl" in dist.get_backend(group) and default_pg_nccl_timeout is not None
+        c10d._set_pg_timeout(default_pg_nccl_timeout if nccl else default_pg_timeout, group)
 
 
 @dataclass
