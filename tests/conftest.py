@@ -1,5 +1,6 @@
 """Shared test set-up: no network, no CUDA assumptions, the repo root importable and as working directory, the
-root logger as each test found it, and a bounded disk footprint (every temporary file under one folder removed at the end; a per-test budget)."""
+root logger as each test found it, and a bounded disk footprint (every temporary file under one folder removed at
+the end; a per-test budget)."""
 
 import getpass
 import logging

@@ -89,10 +89,13 @@ class CommSection:
 def set_process_group_timeouts(seconds: float) -> None:
     """Set the timeout of every process group of this process (the default group and the mesh groups)."""
     timeout = timedelta(seconds=seconds)
-    c10d = dist.distributed_c10d
-    groups = [dist.group.WORLD] + [g for g in list(c10d._world.pg_names) if g is not dist.group.WORLD]
-    for group in groups:
-        c10d._set_pg_timeout(timeout, group)
+    for group in [dist.group.WORLD, *_other_groups()]:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def _other_groups() -> list[dist.ProcessGroup]:
+    """Every process group of this process but the default one (the mesh groups, the preemption flag's)."""
+    return [g for g in list(dist.distributed_c10d._world.pg_names) if g is not dist.group.WORLD]
 
 
 def reset_process_group_timeouts(world_seconds: float) -> None:
@@ -100,7 +103,7 @@ def reset_process_group_timeouts(world_seconds: float) -> None:
     timeout), every other group torch's default for a new group of its backend (what the mesh groups start with)."""
     c10d = dist.distributed_c10d
     c10d._set_pg_timeout(timedelta(seconds=world_seconds), dist.group.WORLD)
-    for group in [g for g in list(c10d._world.pg_names) if g is not dist.group.WORLD]:
+    for group in _other_groups():
         nccl = "nccl" in dist.get_backend(group) and default_pg_nccl_timeout is not None
         c10d._set_pg_timeout(default_pg_nccl_timeout if nccl else default_pg_timeout, group)
 
