@@ -145,6 +145,68 @@ def test_gradient_accumulation_calls_model_twice_per_step():
     assert deltas(stats) == [0] * 2
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 96), nn.Linear(96, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Stage(nn.Module):
+    """Three blocks, the middle one recomputed in backward, the last called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](x)
+        x = torch.utils.checkpoint.checkpoint(self.blocks[1], x, use_reentrant=False)
+        return self.blocks[2](self.blocks[2](x))
+
+
+def _peaks_and_module_stats(tracker_class: type) -> list:
+    """Three steps of two microbatches through two stages of one class (their module names clash, as two
+    pipeline stages' can): each step's totals and peaks, and every module's peak and forward snapshots."""
+    torch.manual_seed(0)
+    stages = nn.ModuleList([_Stage(), _Stage()])
+    optimizer = torch.optim.AdamW(stages.parameters(), lr=1e-3)
+    monitor = MemoryMonitor("cpu", mode="exact")
+    monitor._tracker = tracker_class()
+    monitor.track(stages, optimizer)
+    seen = []
+    with monitor:
+        for _ in range(3):
+            for _ in range(2):
+                stages[1](stages[0](torch.randn(16, 32))).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            stats = monitor.step_end()
+            modules = [(s.mod_fqn, dict(s.local_peak), {str(k): v for k, v in s.snapshots.items()})
+                       for s in monitor._tracker.last_step_mod_stats.values()]
+            seen.append((stats.allocated_bytes, stats.peak_bytes, stats.peak_breakdown, sorted(modules, key=str)))
+    return seen
+
+
+def test_peak_updates_match_stock_memtracker():
+    """The tracker updates peaks for the running modules only (a lookup by name, trainer/memory/tracker.py);
+    stock MemTracker loops over every module seen. Totals, peaks and every module's snapshots are the same."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from trainer.memory.tracker import _StepMemTracker
+
+    class StockPeaks(_StepMemTracker):
+        _update_peak_stats = MemTracker._update_peak_stats
+
+    ours, stock = _peaks_and_module_stats(_StepMemTracker), _peaks_and_module_stats(StockPeaks)
+    assert ours == stock
+    assert all(peak > allocated for allocated, peak, _, _ in ours)
+    names = [name for name, _, _ in ours[-1][3]]
+    assert names.count("_Stage.blocks.2") == 2 and all(peaks for _, peaks, _ in ours[-1][3])
+
+
 def rss_bytes() -> int:
     """This process's resident set size, read independently of trainer.memory (ps reports KiB)."""
     return int(subprocess.run(["ps", "-o", "rss=", "-p", str(os.getpid())], capture_output=True, text=True,

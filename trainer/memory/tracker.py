@@ -7,8 +7,10 @@ forward calls of one module per step (gradient accumulation, pipeline microbatch
 and a table of what is alive. Those come from torch-private parts, all of them used in this module and nowhere
 else, so that a torch upgrade that renames one breaks here only:
 
-* ``MemTracker._pre_fw_hook``, ``_peak_mem``, ``_peak_mem_snap``, ``_mod_tracker``: overridden or reset for the
-  per-step peak and repeated forwards (``_StepMemTracker``; its constructor checks they exist).
+* ``MemTracker._pre_fw_hook``, ``_update_peak_stats``, ``_peak_mem``, ``_peak_mem_snap``, ``_curr_mem_snap``,
+  ``_mod_tracker``: overridden or reset for the per-step peak, repeated forwards and a peak update that costs the
+  depth of the module stack instead of the number of modules (``_StepMemTracker``; its constructor checks they
+  exist).
 * ``MemTracker._WINFO`` (live storages, each a ``_WeakRefInfo`` with ``reftype``, ``device``, ``mem_consumed``)
   and ``memory_tracking`` (per-module ``_ModMemStats`` with ``mod_fqn`` and ``snapshots``): read for the table.
 * ``ModTracker._fw_pre_hook``/``_fw_post_hook`` (overridden), ``_get_append_fn``, ``_get_pop_fn``,
@@ -95,13 +97,16 @@ class _StepMemTracker(MemTracker):
 
     def __init__(self) -> None:
         super().__init__()
-        internals = ("_pre_fw_hook", "_peak_mem", "_peak_mem_snap", "_WINFO")
+        internals = ("_pre_fw_hook", "_update_peak_stats", "_peak_mem", "_peak_mem_snap", "_curr_mem_snap", "_WINFO")
         if not all(hasattr(self, name) for name in internals):
             raise RuntimeError(f"this torch's MemTracker lacks the internals exact memory tracking relies on. {_HINT}")
         self.last_step_mod_stats: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._mod_tracker = _ForwardOnlyModTracker()
+        # memory_tracking's stats by module name, for _update_peak_stats (a list: two roots may share a name)
+        self._stats_by_fqn: dict[str, list[Any]] = {}
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        before = self.memory_tracking.get(module)
         try:
             super()._pre_fw_hook(module, inputs)
         except NotImplementedError:
@@ -111,6 +116,32 @@ class _StepMemTracker(MemTracker):
             # Submodules keep their entries: a pending backward of an earlier microbatch still needs them.
             del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
+        stats = self.memory_tracking[module]
+        if stats is not before:
+            if before is not None:
+                self._stats_by_fqn[before.mod_fqn].remove(before)
+            self._stats_by_fqn.setdefault(stats.mod_fqn, []).append(stats)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        """MemTracker's update after every op, for the modules now running only.
+
+        Stock MemTracker loops over every module seen this step and skips those not running; that loop was a third
+        of the tracker's time, and the tracker half of a CPU test's (tests/test_plan.py's layouts, py-spy). Here
+        the running modules are looked up by name, and snapshots (flat dicts of ints) are copied shallowly. The
+        result is the same: tests/test_memory.py compares it with stock MemTracker's.
+        """
+        curr_snap = self._curr_mem_snap
+        for fqn in self._mod_tracker.parents:
+            for mod_stats in self._stats_by_fqn.get(fqn, ()):
+                if peak_state in mod_stats.snapshots:
+                    for dev, dev_snap in curr_snap.items():
+                        if mod_stats.local_peak.get(dev, 0) < dev_snap[_TOTAL]:
+                            mod_stats.local_peak[dev] = dev_snap[_TOTAL]
+                            mod_stats.snapshots[peak_state][-1][dev] = dict(dev_snap)
+        for dev, dev_snap in curr_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL]:
+                self._peak_mem[dev] = dev_snap[_TOTAL]
+                self._peak_mem_snap[dev] = dict(dev_snap)
 
     def reset_peak(self) -> None:
         """Restart peak tracking from the current usage.
@@ -129,6 +160,7 @@ class _StepMemTracker(MemTracker):
         """
         self.last_step_mod_stats = self.memory_tracking
         self.memory_tracking = WeakIdKeyDictionary()
+        self._stats_by_fqn = {}
 
     def table(self, device: torch.device) -> dict[str, Any]:
         """The exact-mode part of ``MemoryMonitor.dump_table`` for ``device``: current bytes per MemTracker
