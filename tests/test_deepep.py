@@ -99,6 +99,30 @@ def test_size_hints_follow_deepep_rules():
         deepep_cpu.Buffer.get_dispatch_config(3)
 
 
+def test_a_new_group_with_a_destroyed_groups_name_gets_its_own_buffer(monkeypatch):
+    """torch names groups from 0 again after the default group is destroyed and created anew: the buffer of the
+    destroyed group must not serve the new group of the same name, nor be looked up for it."""
+    class Group:
+        group_name = "1"
+
+        def size(self) -> int:
+            return 2
+
+    class Buffer(deepep_cpu.Buffer):
+        def __init__(self, group, num_nvl_bytes: int, num_rdma_bytes: int) -> None:
+            self.group, self.num_nvl_bytes, self.num_rdma_bytes = group, num_nvl_bytes, num_rdma_bytes
+
+    monkeypatch.setattr(deepep.dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(deepep.deepep_cpu, "Buffer", Buffer)
+    manager = deepep.BufferManager()
+    old, new = Group(), Group()
+    first = manager.get(old, 1024)
+    assert manager.get(old, 1024) is first and manager.get(old, 512) is first  # big enough: kept
+    second = manager.get(new, 1024)
+    assert second is not first and second.group is new
+    assert manager.lookup("1") is second and manager.get(new, 1024) is second
+
+
 def test_custom_ops_resolve_in_the_sac_op_table():
     from parallelisms.moe_comm.registry import op_table
 

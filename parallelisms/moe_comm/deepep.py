@@ -104,11 +104,14 @@ class BufferManager:
 
     Sized as DeepEP recommends: the max of the dispatch and combine configs' NVL and RDMA size hints for
     `hidden_bytes = hidden * max(element size, 2)` (so bf16 and FP8 share a buffer). Re-created only when the EP
-    group changes or the buffer is too small for a larger hidden size.
+    group changes or the buffer is too small for a larger hidden size. A group is told apart by identity, not only
+    by name: torch names groups from 0 again after the default group is destroyed and created anew, and a buffer
+    of a destroyed group must not serve its namesake.
     """
 
     def __init__(self) -> None:
         self._buffer = None
+        self._group = None  # the group the buffer was built over
         self._group_key: str | None = None
         self._nbytes = 0
         self._sized_for: tuple[str, int] | None = None  # the last request that needed no change (fast path)
@@ -122,12 +125,12 @@ class BufferManager:
         #2505). `lazy=True` marks a creation from inside a forward, which `DeepEPDispatcher.prepare` avoids.
         """
         key = group.group_name
-        if self._sized_for == (key, hidden_bytes):
+        if self._sized_for == (key, hidden_bytes) and group is self._group:
             return self._buffer
         buffer_cls = deepep_cpu.Buffer if _uses_standin(group) else _deep_ep_buffer_class()
         nvl, rdma = buffer_size(buffer_cls, hidden_bytes, group.size())
         current = self._buffer
-        if (current is not None and self._group_key == key and current.num_nvl_bytes >= nvl
+        if (current is not None and group is self._group and current.num_nvl_bytes >= nvl
                 and current.num_rdma_bytes >= rdma):
             self._sized_for = (key, hidden_bytes)
             return current
@@ -142,7 +145,7 @@ class BufferManager:
         self.close()
         with _disable_current_modes(), torch.no_grad():
             self._buffer = buffer_cls(group, nvl, rdma)
-        self._group_key, self._nbytes, self._sized_for = key, nvl + rdma, (key, hidden_bytes)
+        self._group, self._group_key, self._nbytes, self._sized_for = group, key, nvl + rdma, (key, hidden_bytes)
         return self._buffer
 
     def lookup(self, group_key: str):
@@ -159,7 +162,7 @@ class BufferManager:
         """Drop the buffer (destroying it first when it was built with `explicitly_destroy=True`)."""
         if self._buffer is not None and getattr(self._buffer, "explicitly_destroy", False):
             self._buffer.destroy()
-        self._buffer, self._group_key, self._nbytes, self._sized_for = None, None, 0, None
+        self._buffer, self._group, self._group_key, self._nbytes, self._sized_for = None, None, None, 0, None
 
 
 def buffer_size(buffer_cls, hidden_bytes: int, n: int) -> tuple[int, int]:
