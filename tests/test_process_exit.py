@@ -92,26 +92,35 @@ def test_jobs_in_one_process_reuse_their_layouts_groups(tmp_path):
     """Three trainers in one launch: fsdp2 x ep2, fsdp2, fsdp2 x ep2 again. The third builds no group: its layout's
     meshes are the first's, and each trainer's preemption-flag group is destroyed at its close. Before, the third
     job added 4 groups and 12 gloo threads per rank. A closed trainer leaves the groups at the timeout of a new
-    group: the next job's first compile runs under it, as in a new process."""
+    group: the next job's first compile runs under it, as in a new process.
+
+    A fourth trainer fails at the end of its start, with tensorboard, preemption signals and the heartbeat open:
+    it closes them itself (the caller gets no trainer to close), leaving the same groups, threads and handlers."""
     rc, out = _launch(2, "jobs", JOBS_DIR=str(tmp_path))
     assert rc == 0, out[-3000:]
     for rank in (0, 1):
         counts = (tmp_path / f"counts_{rank}").read_text().splitlines()  # "groups G, gloo threads T, ..." per job
-        assert len(counts) == 3, out[-3000:]
-        assert counts[2] == counts[1], counts
+        assert len(counts) == 4, out[-3000:]
+        assert counts[3] == counts[2] == counts[1], counts
         assert counts[1] != counts[0], counts  # the second layout did build its own: the count is not blind
         # handed on as new groups: torch's default, not the 115 s train timeout (100 s + 15) the job ended with
         assert all(line.endswith(", timeouts 0:30:00") for line in counts), counts
 
 
 def _jobs_worker() -> None:
+    import signal
+    import threading
+
     import torch
     import torch.distributed as dist
     from small_models import SMALL, hf_config_file
 
     from trainer import device as devices
     from trainer.job_config import load_config
-    from trainer.train import run
+    from trainer.train import Trainer, run
+
+    def fail_at_the_end_of_the_start(trainer: Trainer) -> None:
+        raise RuntimeError("injected at the end of Trainer.__init__")
 
     devices.init_distributed(timeout_s=60)
     rank = dist.get_rank()
@@ -121,13 +130,25 @@ def _jobs_worker() -> None:
             "--checkpoint.enable", "false"]
     ep2 = ["--parallelism.expert_parallel_degree", "2"]
     folder = os.environ["JOBS_DIR"]
-    for i, extra in enumerate([ep2, [], ep2]):
-        run(load_config(base + ["--job.dump_folder", os.path.join(folder, str(i))] + extra), shutdown=False)
+    failing = ep2 + ["--metrics.enable_tensorboard", "true"]
+    for i, extra in enumerate([ep2, [], ep2, failing]):
+        args = load_config(base + ["--job.dump_folder", os.path.join(folder, str(i))] + extra)
+        if extra is failing:
+            Trainer._announce_compile = fail_at_the_end_of_the_start
+            try:
+                run(args, shutdown=False)
+                raise AssertionError("the injected failure did not happen")
+            except RuntimeError as e:
+                assert "injected" in str(e), e
+        else:
+            run(args, shutdown=False)
         dist.barrier()
         groups = [g for g in dist.distributed_c10d._world.pg_names if g is not dist.group.WORLD]
         timeouts = sorted({str(g._get_backend(torch.device("cpu")).options._timeout) for g in groups})
+        handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)]
         with open(os.path.join(folder, f"counts_{rank}"), "a") as f:  # a file per rank: stdout interleaves them
-            f.write(f"groups {len(groups)}, gloo threads {_gloo_threads()}, timeouts {' '.join(timeouts)}\n")
+            f.write(f"groups {len(groups)}, gloo threads {_gloo_threads()}, threads {threading.active_count()}, "
+                    f"handlers {handlers}, timeouts {' '.join(timeouts)}\n")
     devices.shutdown_distributed()
     devices.end_process(0)
 

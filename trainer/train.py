@@ -150,36 +150,41 @@ class Trainer:
         self.comm_backend = get_comm_backend(cfg.parallelism.expert_parallel_comm_backend) \
             if self.dims.ep_enabled else None
         counts_handles = self.comm_backend is not None and HANDLES_TAG in self.comm_backend.metrics()
-        self.tb_run_dir = self._new_tensorboard_run() if cfg.metrics.enable_tensorboard else None
-        self.metrics = MetricLogger(self.tb_run_dir, self.rank, cfg.metrics.enable_tensorboard,
-                                    cfg.metrics.save_for_all_ranks)
-        self.metrics.log_run_start(prep.config_text(), run_hparams(cfg, self.dims), list(RUN_METRICS),
-                                   memory_layout(pp, cuda=device.type == "cuda", live_handles=counts_handles))
-        self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizers,
-                                            self.lr_schedulers, self.train_loader)
-        self.start_step = self.checkpoint.load()
-        signals = parse_signals(cfg.checkpoint.preemption_signals)
-        # a gloo group of its own: the flag is a CPU tensor, and polling it never waits for a device
-        self._flag_group = dist.new_group(backend="gloo") if signals and dist.is_initialized() else None
-        self.preemption = Preemption(signals, self._flag_group)
-        self.preempted: Stop | None = None
-        """How a preemption ended this run (set when the ranks agreed to stop)."""
-        self.heartbeat = None
-        if dist.is_initialized() and self.dims.world_size > 1 and devices.store() is not None:
-            self.heartbeat = Heartbeat(devices.store(), self.rank, self.dims.world_size,
-                                       cfg.comm.init_timeout_seconds)
-        self.collective_timeout_s = cfg.comm.init_timeout_seconds  # the process groups' until the first steps
-        if cfg.comm.init_timeout_steps == 0 and dist.is_initialized():
-            self._enter_train_timeout()
-        source = f"HF config {cfg.model.hf_config_path}" if cfg.model.hf_config_path else cfg.model.flavor
-        logger.info("model %s (%s): %.2fM params (%.2fM active per token), %.1f MFLOP/token, device %s, world %d",
-                    cfg.model.name, source, self.total_params / 1e6, self.active_params / 1e6,
-                    self.flops_per_token / 1e6, device, self.dims.world_size)
-        # whatever compiles while training (the blocks and loss of [compile], the BF16-moment step on CUDA): a line
-        # per compile; measured inside `train` only
-        self.compile_times = CompileTimes()
-        if self.start_step < cfg.training.steps:
-            self._announce_compile()
+        # what close() releases; set as each opens, so that a failure below closes what was opened already
+        self.metrics = self.checkpoint = self.preemption = self.heartbeat = self._flag_group = None
+        try:
+            self.tb_run_dir = self._new_tensorboard_run() if cfg.metrics.enable_tensorboard else None
+            self.metrics = MetricLogger(self.tb_run_dir, self.rank, cfg.metrics.enable_tensorboard,
+                                        cfg.metrics.save_for_all_ranks)
+            self.metrics.log_run_start(prep.config_text(), run_hparams(cfg, self.dims), list(RUN_METRICS),
+                                       memory_layout(pp, cuda=device.type == "cuda", live_handles=counts_handles))
+            self.checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, self.model_parts,
+                                                self.optimizers, self.lr_schedulers, self.train_loader)
+            self.start_step = self.checkpoint.load()
+            signals = parse_signals(cfg.checkpoint.preemption_signals)
+            # a gloo group of its own: the flag is a CPU tensor, and polling it never waits for a device
+            self._flag_group = dist.new_group(backend="gloo") if signals and dist.is_initialized() else None
+            self.preemption = Preemption(signals, self._flag_group)
+            self.preempted: Stop | None = None
+            """How a preemption ended this run (set when the ranks agreed to stop)."""
+            if dist.is_initialized() and self.dims.world_size > 1 and devices.store() is not None:
+                self.heartbeat = Heartbeat(devices.store(), self.rank, self.dims.world_size,
+                                           cfg.comm.init_timeout_seconds)
+            self.collective_timeout_s = cfg.comm.init_timeout_seconds  # the process groups' until the first steps
+            if cfg.comm.init_timeout_steps == 0 and dist.is_initialized():
+                self._enter_train_timeout()
+            source = f"HF config {cfg.model.hf_config_path}" if cfg.model.hf_config_path else cfg.model.flavor
+            logger.info("model %s (%s): %.2fM params (%.2fM active per token), %.1f MFLOP/token, device %s, "
+                        "world %d", cfg.model.name, source, self.total_params / 1e6, self.active_params / 1e6,
+                        self.flops_per_token / 1e6, device, self.dims.world_size)
+            # whatever compiles while training (the blocks and loss of [compile], the BF16-moment step on CUDA): a
+            # line per compile; measured inside `train` only
+            self.compile_times = CompileTimes()
+            if self.start_step < cfg.training.steps:
+                self._announce_compile()
+        except BaseException:
+            self._close_after_failed_start()
+            raise
 
     def _new_tensorboard_run(self) -> str:
         """This run's tensorboard folder `<dump>/tb/<run id>`: created by rank 0, its path broadcast so that every
@@ -578,19 +583,34 @@ class Trainer:
             self.metrics.log_run_end(summary.last_step, summary.run_metrics())
 
     def close(self) -> None:
-        self.preemption.close()
+        """Release what the run opened: signal handlers, the heartbeat thread, pending checkpoint saves, the metric
+        writers and the preemption-flag group; the process groups get back the timeouts of new groups. Closes only
+        what was opened when ``__init__`` failed part-way (it calls this itself)."""
+        if self.preemption is not None:
+            self.preemption.close()
         if self.heartbeat is not None:
             self.heartbeat.close()
-        self.checkpoint.finish()
-        self.metrics.close()
+        if self.checkpoint is not None:
+            self.checkpoint.finish()
+        if self.metrics is not None:
+            self.metrics.close()
         if dist.is_initialized():
             # the next job of this process gets the mesh groups (parallelisms/mesh.py) as new ones, not at this job's
             # train timeout, which would end its first compile
             reset_process_group_timeouts(self.cfg.comm.init_timeout_seconds)
             if self._flag_group is not None:  # only plain collectives ran on it: once unreferenced, it is freed
                 dist.destroy_process_group(self._flag_group)
-                self._flag_group = self.preemption.group = None
+                self._flag_group = None
+                if self.preemption is not None:
+                    self.preemption.group = None
 
+    def _close_after_failed_start(self) -> None:
+        """``close`` for an ``__init__`` that raised: the caller gets no trainer to close, and the exception it sees
+        stays the one that stopped the start (a failure to close is logged, not raised over it)."""
+        try:
+            self.close()
+        except Exception:
+            logger.exception("closing what a trainer opened before its start failed also failed")
 
 def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None) -> list[float]:
     """Train with an already loaded config in this process; returns the loss of every step.
