@@ -169,10 +169,13 @@ class _Stage(nn.Module):
 
 def _peaks_and_module_stats(tracker_class: type) -> list:
     """Three steps of two microbatches through two stages of one class (their module names clash, as two
-    pipeline stages' can): each step's totals and peaks, and every module's peak and forward snapshots."""
+    pipeline stages' can), then a linear called alone, inside a wrapper seen for the first time (which renames
+    it) and alone again: each step's totals and peaks, and every module's peak and forward snapshots."""
     torch.manual_seed(0)
     stages = nn.ModuleList([_Stage(), _Stage()])
-    optimizer = torch.optim.AdamW(stages.parameters(), lr=1e-3)
+    alone = nn.Linear(32, 32)
+    wrapper = nn.Sequential(alone)
+    optimizer = torch.optim.AdamW([*stages.parameters(), *alone.parameters()], lr=1e-3)
     monitor = MemoryMonitor("cpu", mode="exact")
     monitor._tracker = tracker_class()
     monitor.track(stages, optimizer)
@@ -180,7 +183,8 @@ def _peaks_and_module_stats(tracker_class: type) -> list:
     with monitor:
         for _ in range(3):
             for _ in range(2):
-                stages[1](stages[0](torch.randn(16, 32))).pow(2).mean().backward()
+                y = stages[1](stages[0](torch.randn(16, 32)))
+                alone(wrapper(alone(y))).pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
             stats = monitor.step_end()
@@ -204,7 +208,8 @@ def test_peak_updates_match_stock_memtracker():
     assert ours == stock
     assert all(peak > allocated for allocated, peak, _, _ in ours)
     names = [name for name, _, _ in ours[-1][3]]
-    assert names.count("_Stage.blocks.2") == 2 and all(peaks for _, peaks, _ in ours[-1][3])
+    assert names.count("_Stage.blocks.2") == 2 and "Sequential.0" in names, names
+    assert all(peaks for _, peaks, _ in ours[-1][3])
 
 
 def rss_bytes() -> int:

@@ -107,6 +107,18 @@ def test_jobs_in_one_process_reuse_their_layouts_groups(tmp_path):
         assert all(line.endswith(", timeouts 0:30:00") for line in counts), counts
 
 
+def _let_trainer_threads_end(seconds: float = 10.0) -> None:
+    """Wait up to `seconds` for the trainer's own threads to end: a close joins them with a timeout, which a loaded
+    machine can outlast; one that never ends is still counted."""
+    import threading
+    import time
+
+    names = ("heartbeat", "watchdog", "preemption-signals")
+    deadline = time.monotonic() + seconds
+    while any(t.name in names for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _jobs_worker() -> None:
     import signal
     import threading
@@ -130,7 +142,8 @@ def _jobs_worker() -> None:
             "--checkpoint.enable", "false"]
     ep2 = ["--parallelism.expert_parallel_degree", "2"]
     folder = os.environ["JOBS_DIR"]
-    failing = ep2 + ["--metrics.enable_tensorboard", "true"]
+    # tensorboard on, and the train timeout set in __init__ (init_timeout_steps 0): close must reset it
+    failing = ep2 + ["--metrics.enable_tensorboard", "true", "--comm.init_timeout_steps", "0"]
     for i, extra in enumerate([ep2, [], ep2, failing]):
         args = load_config(base + ["--job.dump_folder", os.path.join(folder, str(i))] + extra)
         if extra is failing:
@@ -143,6 +156,7 @@ def _jobs_worker() -> None:
         else:
             run(args, shutdown=False)
         dist.barrier()
+        _let_trainer_threads_end()
         groups = [g for g in dist.distributed_c10d._world.pg_names if g is not dist.group.WORLD]
         timeouts = sorted({str(g._get_backend(torch.device("cpu")).options._timeout) for g in groups})
         handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)]

@@ -110,7 +110,12 @@ class MetricLogger:
         self.log_dir: str | None = log_dir if on and rank == 0 else None
         self.rank_dir: str | None = os.path.join(log_dir, f"rank_{rank}") if on and save_for_all_ranks else None
         self._writer: Any = self._open(self.log_dir)
-        self._rank_writer: Any = self._open(self.rank_dir)
+        try:
+            self._rank_writer: Any = self._open(self.rank_dir)
+        except BaseException:  # the caller gets no logger to close: the run folder's writer (and thread) ends here
+            if self._writer is not None:
+                self._writer.close()
+            raise
         self._closed = False
 
     @property

@@ -586,31 +586,45 @@ class Trainer:
         """Release what the run opened: signal handlers, the heartbeat thread, pending checkpoint saves, the metric
         writers and the preemption-flag group; the process groups get back the timeouts of new groups. Closes only
         what was opened when ``__init__`` failed part-way (it calls this itself)."""
-        if self.preemption is not None:
-            self.preemption.close()
-        if self.heartbeat is not None:
-            self.heartbeat.close()
+        for step in self._closing_steps():
+            step()
+
+    def _closing_steps(self) -> list:
+        """What ``close`` runs, in order: one callable per thing opened."""
+        steps = [opened.close for opened in (self.preemption, self.heartbeat) if opened is not None]
         if self.checkpoint is not None:
-            self.checkpoint.finish()
+            steps.append(self.checkpoint.finish)
         if self.metrics is not None:
-            self.metrics.close()
+            steps.append(self.metrics.close)
         if dist.is_initialized():
-            # the next job of this process gets the mesh groups (parallelisms/mesh.py) as new ones, not at this job's
-            # train timeout, which would end its first compile
-            reset_process_group_timeouts(self.cfg.comm.init_timeout_seconds)
-            if self._flag_group is not None:  # only plain collectives ran on it: once unreferenced, it is freed
-                dist.destroy_process_group(self._flag_group)
-                self._flag_group = None
-                if self.preemption is not None:
-                    self.preemption.group = None
+            steps.append(self._reset_timeouts)
+            if self._flag_group is not None:
+                steps.append(self._destroy_flag_group)
+        return steps
+
+    def _reset_timeouts(self) -> None:
+        # the next job of this process gets the mesh groups (parallelisms/mesh.py) as new ones, not at this job's
+        # train timeout, which would end its first compile
+        reset_process_group_timeouts(self.cfg.comm.init_timeout_seconds)
+
+    def _destroy_flag_group(self) -> None:
+        # only plain collectives ran on it: once unreferenced, it is freed
+        dist.destroy_process_group(self._flag_group)
+        self._flag_group = None
+        if self.preemption is not None:
+            self.preemption.group = None
 
     def _close_after_failed_start(self) -> None:
         """``close`` for an ``__init__`` that raised: the caller gets no trainer to close, and the exception it sees
-        stays the one that stopped the start (a failure to close is logged, not raised over it)."""
-        try:
-            self.close()
-        except Exception:
-            logger.exception("closing what a trainer opened before its start failed also failed")
+        stays the one that stopped the start. Each step runs even when one before it failed (logged, not raised
+        over that exception)."""
+        for step in self._closing_steps():
+            try:
+                step()
+            except Exception:
+                logger.exception("closing what a trainer opened before its start failed: %s failed",
+                                 step.__qualname__)
+
 
 def run(cfg: JobConfig, shutdown: bool = True, history: list[dict] | None = None) -> list[float]:
     """Train with an already loaded config in this process; returns the loss of every step.

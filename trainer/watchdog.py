@@ -147,9 +147,9 @@ class Heartbeat:
         self._compile = (0, False)  # (compiles started and ended, compiling now): one tuple, read whole
         self._beats = 0
         self._stop = threading.Event()
+        self._beat()  # first: a store that fails here leaves nothing registered behind
         callback_handler.register_start_callback(self._compile_started)
         callback_handler.register_end_callback(self._compile_ended)
-        self._beat()
         self._threads = [threading.Thread(target=self._beat_loop, name="heartbeat", daemon=True)]
         if self.watches:
             self._threads.append(threading.Thread(target=self._watch_loop, name="watchdog", daemon=True))

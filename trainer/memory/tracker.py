@@ -97,8 +97,10 @@ class _StepMemTracker(MemTracker):
 
     def __init__(self) -> None:
         super().__init__()
-        internals = ("_pre_fw_hook", "_update_peak_stats", "_peak_mem", "_peak_mem_snap", "_curr_mem_snap", "_WINFO")
-        if not all(hasattr(self, name) for name in internals):
+        # the methods on MemTracker itself (this class overrides them), the fields on the instance
+        methods, fields = ("_pre_fw_hook", "_update_peak_stats"), ("_peak_mem", "_peak_mem_snap", "_curr_mem_snap",
+                                                                    "_WINFO")
+        if not (all(hasattr(MemTracker, n) for n in methods) and all(hasattr(self, n) for n in fields)):
             raise RuntimeError(f"this torch's MemTracker lacks the internals exact memory tracking relies on. {_HINT}")
         self.last_step_mod_stats: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._mod_tracker = _ForwardOnlyModTracker()
@@ -107,6 +109,9 @@ class _StepMemTracker(MemTracker):
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         before = self.memory_tracking.get(module)
+        # MemTracker renames a module's stats when its name changed (a module first called alone, then inside a
+        # parent seen for the first time): the stats are filed again under the new name
+        before_fqn = before.mod_fqn if before is not None else None
         try:
             super()._pre_fw_hook(module, inputs)
         except NotImplementedError:
@@ -117,9 +122,9 @@ class _StepMemTracker(MemTracker):
             del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
         stats = self.memory_tracking[module]
-        if stats is not before:
+        if stats is not before or stats.mod_fqn != before_fqn:
             if before is not None:
-                self._stats_by_fqn[before.mod_fqn].remove(before)
+                self._stats_by_fqn[before_fqn].remove(before)
             self._stats_by_fqn.setdefault(stats.mod_fqn, []).append(stats)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
