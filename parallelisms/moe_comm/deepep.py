@@ -112,9 +112,8 @@ class BufferManager:
     def __init__(self) -> None:
         self._buffer = None
         self._group = None  # the group the buffer was built over
-        self._group_key: str | None = None
         self._nbytes = 0
-        self._sized_for: tuple[str, int] | None = None  # the last request that needed no change (fast path)
+        self._sized_for: int | None = None  # the hidden bytes of the last request that needed no change (fast path)
         self._logged_standin = False
 
     def get(self, group, hidden_bytes: int, lazy: bool = False):
@@ -124,15 +123,14 @@ class BufferManager:
         a selective-checkpoint mode would otherwise cache those ops and desynchronise recompute (torchtitan
         #2505). `lazy=True` marks a creation from inside a forward, which `DeepEPDispatcher.prepare` avoids.
         """
-        key = group.group_name
-        if self._sized_for == (key, hidden_bytes) and group is self._group:
+        if group is self._group and self._sized_for == hidden_bytes:
             return self._buffer
         buffer_cls = deepep_cpu.Buffer if _uses_standin(group) else _deep_ep_buffer_class()
         nvl, rdma = buffer_size(buffer_cls, hidden_bytes, group.size())
         current = self._buffer
         if (current is not None and group is self._group and current.num_nvl_bytes >= nvl
                 and current.num_rdma_bytes >= rdma):
-            self._sized_for = (key, hidden_bytes)
+            self._sized_for = hidden_bytes
             return current
         if lazy:
             logger.warning("DeepEP buffer created inside a forward pass; call DeepEPDispatcher.setup() before "
@@ -145,13 +143,14 @@ class BufferManager:
         self.close()
         with _disable_current_modes(), torch.no_grad():
             self._buffer = buffer_cls(group, nvl, rdma)
-        self._group, self._group_key, self._nbytes, self._sized_for = group, key, nvl + rdma, (key, hidden_bytes)
+        self._group, self._nbytes, self._sized_for = group, nvl + rdma, hidden_bytes
         return self._buffer
 
     def lookup(self, group_key: str):
         """The buffer of the group named `group_key` (it must exist: dispatch creates it before the op runs)."""
-        if self._buffer is None or self._group_key != group_key:
-            raise RuntimeError(f"no DeepEP buffer for process group {group_key!r} (current: {self._group_key!r})")
+        current = None if self._group is None else self._group.group_name
+        if self._buffer is None or current != group_key:
+            raise RuntimeError(f"no DeepEP buffer for process group {group_key!r} (current: {current!r})")
         return self._buffer
 
     def nbytes(self) -> int:
@@ -162,7 +161,7 @@ class BufferManager:
         """Drop the buffer (destroying it first when it was built with `explicitly_destroy=True`)."""
         if self._buffer is not None and getattr(self._buffer, "explicitly_destroy", False):
             self._buffer.destroy()
-        self._buffer, self._group, self._group_key, self._nbytes, self._sized_for = None, None, None, 0, None
+        self._buffer, self._group, self._nbytes, self._sized_for = None, None, 0, None
 
 
 def buffer_size(buffer_cls, hidden_bytes: int, n: int) -> tuple[int, int]:
