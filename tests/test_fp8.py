@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from quantization.fp8.gemms import Fp8GroupedMM, Fp8Linear, fp8_grouped_mm
-from quantization.fp8.quantize import E4M3_MAX, dequantize, quantize, quantize_segments
+from quantization.fp8.quantize import (E4M3_MAX, dequantize, dequantize_row_segments, quantize,
+                                       quantize_row_segments)
 
 U = 2.0 ** -4
 
@@ -115,16 +116,21 @@ def test_round_trip_error_bound_on_random_values():
     _assert_within(dequantize(q, scale, 1, 128), t, _elem_error(t, 1, 128), "1x128 round trip")
 
 
-def test_segment_quantisation_is_per_row_and_segment():
-    t = torch.randn(8, 10, generator=torch.Generator().manual_seed(2))
-    t[:, 6:] *= 1e6  # segment 1 holds much larger values; segment 0 must not lose precision to them
-    seg = torch.tensor([0] * 6 + [1] * 4)
-    q, scale = quantize_segments(t, seg, 2)
-    assert scale.shape == (8, 2)
-    back = q.float() * scale.index_select(1, seg)
-    for cols in (slice(0, 6), slice(6, 10)):
-        ref_q, ref_s = quantize(t[:, cols], 1, t[:, cols].shape[1])
-        assert torch.equal(back[:, cols], dequantize(ref_q, ref_s, 1, t[:, cols].shape[1]))
+def test_row_segment_quantisation_is_per_column_and_segment():
+    """`quantize_row_segments`: t^T with one scale per column of t and segment of its rows (whole 128-row tiles,
+    a segment of two tiles among them), each segment quantised as if alone, so a segment of much larger values costs
+    the others no precision; the result is laid out [C, P] row-major, the operand the weight gradient takes."""
+    t = torch.randn(512, 10, generator=torch.Generator().manual_seed(2))
+    t[128:384] *= 1e6
+    t[200, 3] = -3e7  # the largest magnitude of its segment is negative, in the segment's second tile
+    seg = torch.tensor([0] * 128 + [1] * 256 + [2] * 128)
+    q, scale = quantize_row_segments(t, seg, 3)
+    assert q.shape == (10, 512) and q.is_contiguous() and scale.shape == (3, 10)
+    back = dequantize_row_segments(q, scale, seg)
+    for rows in (slice(0, 128), slice(128, 384), slice(384, 512)):
+        part = t[rows].t()
+        ref_q, ref_s = quantize(part, 1, part.shape[1])
+        assert torch.equal(back[:, rows], dequantize(ref_q, ref_s, 1, part.shape[1]))
 
 
 # ----------------------------------------------------------------------------------------------- blockwise linear

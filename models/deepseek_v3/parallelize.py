@@ -96,7 +96,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job: Parall
     if parallel_dims.ep_enabled:
         quantize_dispatch(model, job.fp8)
     checkpoint_model(model, job.activation_checkpoint)
-    compile_model(model, job.compile)
+    compile_model(model, job.compile, fp8=job.fp8.recipe != "none")
     if parallel_dims.sharded:
         reshard = {"always": True, "never": False}.get(par.fsdp_reshard_after_forward,
                                                         not parallel_dims.pp_enabled)
@@ -178,9 +178,9 @@ def compile_units(model: nn.Module) -> list[CompileUnit]:
     return units
 
 
-def compile_model(model: nn.Module, compile_cfg) -> nn.Module:
-    """`apply_compile` on this model part's compile units; returns `model`. ValueError for a model that cannot be
-    compiled (`compile_problem`)."""
+def compile_model(model: nn.Module, compile_cfg, fp8: bool = False) -> nn.Module:
+    """`apply_compile` on this model part's compile units (with eager's roundings when `fp8`: the model quantises to
+    FP8); returns `model`. ValueError for a model that cannot be compiled (`compile_problem`)."""
     problem = compile_problem(model.args)
     if problem is not None and compiles_model(compile_cfg):
         raise ValueError(f"moe.use_grouped_mm: {problem}")
@@ -189,7 +189,7 @@ def compile_model(model: nn.Module, compile_cfg) -> nn.Module:
     # limit fullgraph=True fails: allow a training and an eval graph per block of the whole model (the stages of
     # one pipeline rank share code objects).
     graphs_per_code = 2 * (model.args.n_layers + model.args.num_mtp_layers)
-    apply_compile(compile_units(model), compile_cfg, graphs_per_code)
+    apply_compile(compile_units(model), compile_cfg, graphs_per_code, eager_roundings=fp8)
     return model
 
 

@@ -37,8 +37,9 @@ def gemm_backward_extra_bytes(recipe: str, rows: int, in_features: int, out_feat
                   a * (x + dy) + qdq * x,  # x^T quantised
                   a * (2 * x + dy + w))  # the wgrad GEMM: both copies, dx and dW
     else:
-        # the rowwise experts' wgrad quantises per expert segment: its working memory comes on top of its result
-        wq = qdq if recipe == "blockwise" else qdq + a
+        # the rowwise experts' wgrad quantises per expert segment (fp32 product and e4m3, then the transposed e4m3),
+        # then dequantises with each element's scale expanded: e4m3, result and scales, 1 + 2a per element
+        wq = qdq if recipe == "blockwise" else max(qdq, 1 + 2 * a)
         held = a * (dy + w)  # the zero-tailed dY and W^T's dequantised copy, held throughout
         phases = (a * dy + (a + qdq) * w,  # W^T: reshaped into a copy, then quantised
                   held + qdq * dy,  # dgrad: dY quantised

@@ -17,8 +17,8 @@ from torch import nn
 
 from quantization.fp8.kernels import (DEEPGEMM, EMULATED, PER_EXPERT, ROWWISE_GROUPED, LinearKernels, Platform,
                                       blockwise_linear_kernels, grouped_kernel)
-from quantization.fp8.quantize import (BLOCK, dequantize_segments, qdq_activation, qdq_weight,
-                                       quantize_segments)
+from quantization.fp8.quantize import (BLOCK, dequantize_row_segments, qdq_activation, qdq_weight,
+                                       quantize_row_segments)
 from quantization.fp8.scaled_gemms import blockwise_grouped, blockwise_mm, rowwise_grouped_mm, rowwise_grouped_wgrad
 
 __all__ = ["Fp8GroupedMM", "Fp8Linear", "fp8_grouped_mm"]
@@ -157,13 +157,13 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
             # dgrad contracts over N: W^T [E, K, N] is quantised along N (the same blocks as W for blockwise)
             w_EKN = qdq_weight(w_ENK.transpose(-2, -1), recipe, dtype)
             dx = torch._grouped_mm(qdq_activation(dy_PN, recipe, dtype), w_EKN.transpose(-2, -1), offs=offs_E)
-            dy_NP, x_KP = dy_PN.t(), x_PK.t()
             if recipe == "blockwise":
-                a, b = qdq_activation(dy_NP, recipe, dtype), qdq_activation(x_KP, recipe, dtype)
+                a, b = qdq_activation(dy_PN.t(), recipe, dtype), qdq_activation(x_PK.t(), recipe, dtype)
             else:
                 # one scale per channel and expert: the contraction runs over each expert's rows only
                 seg_P, E = _segments(x_PK.shape[0], offs_E), offs_E.shape[0]
-                a, b = (dequantize_segments(*quantize_segments(t, seg_P, E + 1), seg_P, dtype) for t in (dy_NP, x_KP))
+                a, b = (dequantize_row_segments(*quantize_row_segments(t, seg_P, E + 1), seg_P, dtype)
+                        for t in (dy_PN, x_PK))
             dw = torch._grouped_mm(a, b.t(), offs=offs_E)
         counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
         dw = torch.where((counts_E > 0)[:, None, None], dw, 0)

@@ -1,5 +1,5 @@
 """The real FP8 GEMMs on CUDA (`kernels.py` says when each runs): e4m3 operands from `quantize.quantize_tiles` /
-`quantize_segments` (the emulation's values and power-of-two scales, bit for bit), laid out as torch's kernels
+`quantize_row_segments` (the emulation's values and power-of-two scales, bit for bit), laid out as torch's kernels
 require them.
 
 torch.nn.functional.scaled_mm, blockwise (the layouts of torch's checks, `_meta_registrations.py`):
@@ -13,8 +13,8 @@ torch._scaled_grouped_mm, rowwise: a [P, K] row-major with one scale per row ([P
 
 A linear's three GEMMs are all `blockwise_mm`: forward (x, W, blocks), dgrad (dY, W^T, blocks), wgrad (dY^T, x^T,
 1 x 128 tiles along the tokens). Blockwise grouped experts without DeepGEMM run one scaled_mm per expert
-(`dsv3_fp8::blockwise_grouped_mm`, a custom op: it reads the group offsets on the host, which torch.compile must
-not trace). The blockwise scaled_mm itself is a custom op too (`dsv3_fp8::scaled_mm_blockwise`): torch 2.11's
+(`dsv3_fp8::blockwise_grouped_mm`, a custom op on operands quantised before it: it reads the group offsets on the
+host, which torch.compile must not trace). The blockwise scaled_mm itself is a custom op too (`dsv3_fp8::scaled_mm_blockwise`): torch 2.11's
 dynamo refuses to trace `F.scaled_mm` (`torch._scaled_mm_v2` is marked skipped; seen on an H200), so a compiled
 model keeps it opaque while the quantisation around it is fused. Its fake kernel is the same code on fake tensors:
 torch's meta checks of the layouts run there too.
@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quantization.fp8.quantize import BLOCK, quantize_segments, quantize_tiles, row_major
+from quantization.fp8.quantize import BLOCK, quantize_row_segments, quantize_tiles, row_major
 
-__all__ = ["blockwise_grouped", "blockwise_mm", "per_expert_blockwise", "rowwise_grouped_mm",
+__all__ = ["blockwise_grouped", "blockwise_mm", "per_expert_blockwise", "quantize_per_expert", "rowwise_grouped_mm",
            "rowwise_grouped_wgrad"]
 
 
@@ -86,53 +86,74 @@ def rowwise_grouped_wgrad(dy_PN: torch.Tensor, x_PK: torch.Tensor, offs_E: torch
     """dW [E, N, K]: dY^T x over each group's rows, one scale per channel and group (`segment_P`: each row's group,
     E for rows past the last group)."""
     E = offs_E.shape[0]
-    # transposed copies first: the quantised operands then come out row-major under torch.compile too (its
-    # division takes its layout from its input, not from the `out=` of eager code)
-    a_q, a_s = quantize_segments(row_major(dy_PN.t()), segment_P, E + 1)  # [N, P], scales [N, E + 1]
-    b_q, b_s = quantize_segments(row_major(x_PK.t()), segment_P, E + 1)  # [K, P]
-    group_major = [row_major(s.narrow(1, 0, E).t()).view(-1) for s in (a_s, b_s)]
+    a_q, a_s = quantize_row_segments(dy_PN, segment_P, E + 1)  # [N, P] row-major, scales [E + 1, N]
+    b_q, b_s = quantize_row_segments(x_PK, segment_P, E + 1)  # [K, P]
+    group_major = [s.narrow(0, 0, E).reshape(-1) for s in (a_s, b_s)]
     return torch._scaled_grouped_mm(a_q, b_q.t(), *group_major, offs=offs_E, out_dtype=dy_PN.dtype)
 
 
-def per_expert_blockwise(a: torch.Tensor, b: torch.Tensor, ends: list[int], gemm: str) -> torch.Tensor:
-    """One blockwise scaled_mm per non-empty group, for the group ends `ends` (host ints, multiples of 128):
+def _per_expert(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, ends: list[int],
+                gemm: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """One blockwise scaled_mm per non-empty group, for the group ends `ends` (host ints, multiples of 128), on
+    e4m3 operands and their scales (`quantize_per_expert`):
 
-        fwd    a = x [P, K],  b = W [E, N, K]  -> [P, N]    (x 1 x 128, W 128 x 128)
-        dgrad  a = dY [P, N], b = W [E, N, K]  -> [P, K]    (dY 1 x 128, W^T 128 x 128)
-        wgrad  a = dY [P, N], b = x [P, K]     -> [E, N, K] (dY^T and x^T 1 x 128 along each group's rows)
+        fwd    a = x [P, K] (1 x 128),  b = W [E, N, K] (128 x 128)    -> [P, N]
+        dgrad  a = dY [P, N] (1 x 128), b = W^T [E, K, N] (128 x 128)  -> [P, K]
+        wgrad  a = dY^T [N, P], b = x^T [K, P] (1 x 128 along the rows) -> [E, N, K]
 
     Rows past the last group and the weight gradients of empty groups are zero. (Slices by `narrow`, outputs by
     `cat` / `stack`: the fake CUDA tensors of the CPU layout tests support these.)"""
     groups = [(s, t - s) for s, t in zip([0] + ends[:-1], ends)]
     if gemm == "wgrad":
-        used = ends[-1]
-        a_q, a_s = quantize_tiles(a.narrow(0, 0, used).t(), 1, BLOCK)  # [N, rows], tiles along the rows
-        b_q, b_s = quantize_tiles(b.narrow(0, 0, used).t(), 1, BLOCK)
-        zero = a.new_zeros(a.shape[1], b.shape[1])
+        zero = a_q.new_zeros(a_q.shape[0], b_q.shape[0], dtype=out_dtype)
         return torch.stack([
             _scaled_blockwise(a_q.narrow(1, s, n), a_s.narrow(1, s // BLOCK, n // BLOCK), b_q.narrow(1, s, n),
-                              b_s.narrow(1, s // BLOCK, n // BLOCK), False, a.dtype)
+                              b_s.narrow(1, s // BLOCK, n // BLOCK), False, out_dtype)
             if n else zero for s, n in groups])
-    E = b.shape[0]
-    w = b if gemm == "fwd" else b.transpose(-2, -1)  # the second operand with its K last
-    rows, cols = w.shape[1:]
-    a_q, a_s = quantize_tiles(a, 1, BLOCK)
-    w_q, w_s = quantize_tiles(w.reshape(E * rows, cols), BLOCK, BLOCK)
-    w_q, w_s = w_q.view(E, rows, cols), w_s.view(E, rows // BLOCK, cols // BLOCK)
-    pieces = [_scaled_blockwise(a_q.narrow(0, s, n), a_s.narrow(0, s, n), w_q.select(0, e), w_s.select(0, e), True,
-                                a.dtype) for e, (s, n) in enumerate(groups) if n]
-    pieces.append(a.new_zeros(a.shape[0] - ends[-1], rows))
+    pieces = [_scaled_blockwise(a_q.narrow(0, s, n), a_s.narrow(0, s, n), b_q.select(0, e), b_s.select(0, e), True,
+                                out_dtype) for e, (s, n) in enumerate(groups) if n]
+    pieces.append(a_q.new_zeros(a_q.shape[0] - ends[-1], b_q.shape[1], dtype=out_dtype))
     return torch.cat(pieces)
 
 
 @torch.library.custom_op("dsv3_fp8::blockwise_grouped_mm", mutates_args=())
-def blockwise_grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, gemm: str) -> torch.Tensor:
-    """`per_expert_blockwise` with the group ends read from `offs_E` (a host sync)."""
-    return per_expert_blockwise(a, b, offs_E.tolist(), gemm)
+def _per_expert_op(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, offs_E: torch.Tensor,
+                   gemm: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """`_per_expert` with the group ends read from `offs_E` (a host sync, which torch.compile must not trace)."""
+    return _per_expert(a_q, a_s, b_q, b_s, offs_E.tolist(), gemm, out_dtype)
 
 
-@blockwise_grouped.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, gemm: str) -> torch.Tensor:
+@_per_expert_op.register_fake
+def _(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, offs_E: torch.Tensor, gemm: str,
+      out_dtype: torch.dtype) -> torch.Tensor:
     if gemm == "wgrad":
-        return a.new_empty(offs_E.shape[0], a.shape[1], b.shape[1])
-    return a.new_empty(a.shape[0], b.shape[1] if gemm == "fwd" else b.shape[2])
+        return a_q.new_empty(offs_E.shape[0], a_q.shape[0], b_q.shape[0], dtype=out_dtype)
+    return a_q.new_empty(a_q.shape[0], b_q.shape[1], dtype=out_dtype)
+
+
+def quantize_per_expert(a: torch.Tensor, b: torch.Tensor, gemm: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The e4m3 operands and scales of `_per_expert`'s `gemm` from a [P, X] and b (W [E, N, K] for fwd and dgrad,
+    x [P, K] for wgrad). Outside the custom op, so that torch.compile fuses the quantisation with its neighbours
+    (inside it, every tile maximum, product and cast ran as its own eager kernel: a third of the blockwise FP8 step
+    at the 671B shapes on an H200). The weight gradient quantises the whole 128-row tiles of a and b, which hold
+    every group (groups end on multiples of 128); the tiles past the last group are their own and go unused."""
+    if gemm == "wgrad":
+        rows = a.shape[0] - a.shape[0] % BLOCK
+        return (*quantize_tiles(a.narrow(0, 0, rows).t(), 1, BLOCK), *quantize_tiles(b.narrow(0, 0, rows).t(), 1, BLOCK))
+    E = b.shape[0]
+    w = b if gemm == "fwd" else b.transpose(-2, -1)  # the second operand with its K last
+    rows, cols = w.shape[1:]
+    w_q, w_s = quantize_tiles(w.reshape(E * rows, cols), BLOCK, BLOCK)
+    return (*quantize_tiles(a, 1, BLOCK), w_q.view(E, rows, cols), w_s.view(E, rows // BLOCK, cols // BLOCK))
+
+
+def blockwise_grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, gemm: str) -> torch.Tensor:
+    """The blockwise grouped experts' `gemm` (fwd, dgrad or wgrad, `_per_expert`) on one scaled_mm per expert."""
+    return _per_expert_op(*quantize_per_expert(a, b, gemm), offs_E, gemm, a.dtype)
+
+
+def per_expert_blockwise(a: torch.Tensor, b: torch.Tensor, ends: list[int], gemm: str) -> torch.Tensor:
+    """`blockwise_grouped` with the group ends given as host ints (no custom op: the CPU layout tests run it on
+    fake CUDA tensors)."""
+    return _per_expert(*quantize_per_expert(a, b, gemm), ends, gemm, a.dtype)
