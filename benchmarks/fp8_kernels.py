@@ -25,10 +25,15 @@ bf16 rounding, below 2^-7; torchao's blockwise ones and DeepGEMM quantise with s
 rounding, a few percent). A candidate that cannot run here has `error` (its one-line reason) instead of times. Order:
 every shape's bf16, ours and emulated candidates and kernels first (671b before 16b, grouped before linear), then
 the optional dependencies' (their Triton kernels compile and autotune on first use); once `--budget-s` is spent the
-rest are listed with `error: "skipped: --budget-s spent"` and the report is printed all the same.
+rest are listed with `error: "skipped: --budget-s spent"` and the report is printed all the same. The budget is
+checked between candidates, so one slow candidate can overrun it: a SIGTERM (`timeout`'s, as gpu_session.sh sends at
+its step's limit) stops the run where it is and still prints the report of what ran, with `stopped` set and exit
+code 124 (on the H200 on 2026-11-27 a run with --budget-s 40 was killed at 75 s without any report). Each GEMM
+shape's end is a line on stderr with the seconds so far, so a log says where the time went.
 
 Output: one JSON object on stdout: machine (with the GPU), choice (what kernels.py picks on this GPU for each GEMM
-kind), platform (kernels.Platform), config (shapes, repeats, warmup, compile, budget_s), results (one entry per
+kind), platform (kernels.Platform), config (shapes, repeats, warmup, compile, budget_s), stopped (null, or why the
+run ended before every candidate ran), results (one entry per
 GEMM shape and candidate: gemm, kind, recipe, candidate, fwd_ms, fwd_bwd_ms, tflops (model FLOPs of fwd + bwd over
 fwd_bwd_ms; forward only for kernels), speedup_vs_bf16 (bf16's time over this one's, same measure),
 rel_vs_emulated), and fastest (per GEMM shape, recipe and kind, the fastest candidate that matched the emulation).
@@ -37,8 +42,10 @@ rel_vs_emulated), and fastest (per GEMM shape, recipe and kind, the fastest cand
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import signal
 import statistics
 import sys
 import time
@@ -62,6 +69,23 @@ SHAPES = {
 MATCH = 2.0 ** -7  # ours against the emulation: bf16 rounding
 MATCH_OTHER_QUANTISATION = 0.1  # torchao's / DeepGEMM's own scales against the emulation's: e4m3 rounding
 SKIPPED = "skipped: --budget-s spent"
+
+
+class Stopped(Exception):
+    """A SIGTERM arrived while candidates were running."""
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """Within the block, SIGTERM raises `Stopped` (between Python bytecodes: a running CUDA call finishes first);
+    the previous handler is restored after it."""
+    def handler(signum, frame):
+        raise Stopped("SIGTERM (a time limit) before every candidate ran: the missing ones did not run")
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _time(fn, repeats: int, warmup: int) -> float:
@@ -350,7 +374,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--budget-s", type=float, default=60.0,
                         help="seconds after which the remaining candidates are skipped (the report still prints)")
     args = parser.parse_args(argv)
-    args.deadline = time.monotonic() + args.budget_s
+    args.start = time.monotonic()
+    args.deadline = args.start + args.budget_s
     sets = args.shapes.split(",")
     unknown = [s for s in sets if s not in SHAPES]
     if unknown:
@@ -372,11 +397,34 @@ def main(argv: list[str] | None = None) -> dict | None:
                          groups, 6 * E * rows * K * N))
         for name, M, K, N in SHAPES[shape_set]["linear"]:
             jobs.append((f"{shape_set} {name} {M}x{K}x{N}", "linear", _linear_job(M, K, N), linears, 6 * M * K * N))
-    results, emulated = [], {}
-    for optional in (False, True):  # every shape's own candidates and kernels first, then torchao's and DeepGEMM
+    results, emulated, stopped = [], {}, None
+    try:
+        with stop_on_sigterm():
+            _run_jobs(jobs, args, results, emulated)
+    except Stopped as e:
+        stopped = str(e)
+    _speedups(results)
+    choice = {"linear rowwise": rowwise_linear_kernel(platform),
+              "linear blockwise": vars(blockwise_linear_kernels(platform, torch.bfloat16, TOKENS, 2048, 3072)),
+              "grouped rowwise": grouped_kernel(platform, "rowwise", torch.bfloat16, 2048, 1408),
+              "grouped blockwise": grouped_kernel(platform, "blockwise", torch.bfloat16, 2048, 1408)}
+    report = {"machine": machine_info(), "choice": choice, "platform": vars(platform),
+              "config": {"shapes": {s: SHAPES[s] for s in sets}, "repeats": args.repeats, "warmup": args.warmup,
+                         "compile": args.compile, "budget_s": args.budget_s, "dtype": "bfloat16"},
+              "stopped": stopped, "results": results, "fastest": _fastest(results)}
+    print(json.dumps(report, default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else str(v)))
+    return report
+
+
+def _run_jobs(jobs: list, args, results: list[dict], emulated: dict) -> None:
+    """Every job's candidates (and a linear's kernels), appended to `results` as they finish: every shape's own
+    candidates first, then torchao's and DeepGEMM's. A line on stderr per job with the seconds since the start."""
+    import torch
+
+    for optional in (False, True):
         for gemm, kind, inputs, candidates, flops in jobs:
             chosen = {key: fn for key, fn in candidates.items() if _is_optional(key[0]) == optional}
-            if time.monotonic() > args.deadline and not chosen:
+            if not chosen:
                 continue
             x, w, dy, extra = inputs()
             if kind == "grouped":
@@ -387,18 +435,10 @@ def main(argv: list[str] | None = None) -> dict | None:
                 results += _run_kernels(gemm, x, w, args)
             del x, w, dy, extra
             torch.cuda.empty_cache()
-    _speedups(results)
-    choice = {"linear rowwise": rowwise_linear_kernel(platform),
-              "linear blockwise": vars(blockwise_linear_kernels(platform, torch.bfloat16, TOKENS, 2048, 3072)),
-              "grouped rowwise": grouped_kernel(platform, "rowwise", torch.bfloat16, 2048, 1408),
-              "grouped blockwise": grouped_kernel(platform, "blockwise", torch.bfloat16, 2048, 1408)}
-    report = {"machine": machine_info(), "choice": choice, "platform": vars(platform),
-              "config": {"shapes": {s: SHAPES[s] for s in sets}, "repeats": args.repeats, "warmup": args.warmup,
-                         "compile": args.compile, "budget_s": args.budget_s, "dtype": "bfloat16"},
-              "results": results, "fastest": _fastest(results)}
-    print(json.dumps(report, default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else str(v)))
-    return report
+            print(f"fp8_kernels: {gemm} {kind}{' (optional dependencies)' if optional else ''} done at "
+                  f"{time.monotonic() - args.start:.0f} s", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    report = main()
+    sys.exit(1 if report is None else 124 if report["stopped"] else 0)

@@ -7,10 +7,11 @@
 # with BF16 moments at batch 4 and 2 and with float32 moments at batch 4 (the baseline); the FP8 kernel candidates
 # (benchmarks/fp8_kernels.py); last a short table (benchmarks/gpu_summary.py) with the targets checked. A step that
 # the deadline (DEADLINE_S) leaves less than two thirds of its limit is skipped, and listed as skipped. On the
-# 2026-11-26 H200 the tests took 44-80 s, a compiled bf16 run 59-72 s, and the FP8 runs did not finish in 90 s: their
-# graphs hold 3.4-3.5x bf16's ops (docs/compile.md, "Compile time"), so they get up to 210 s each (the second what
-# the default 450 s leave it). One call reaches about the tests; a second, `PARTS="tests b16 kernels"`, takes the
-# rest.
+# 2026-11-27 H200 (DEADLINE_S=500) one call ran everything but the float32-moment baseline and fp8_kernels.py: the
+# compiled 671B-shape runs took 59 s (bf16), 89 s (FP8 blockwise) and 110 s (FP8 rowwise), 44-62 s of it compiling
+# for FP8 (their graphs hold 3.4-3.5x bf16's ops, docs/compile.md, "Compile time"), the tests 76 s, each 16B run
+# 60-63 s. A second call, `PARTS="b16 kernels"`, runs the 16B shapes again beside their float32-moment baseline,
+# and the kernel candidates.
 #
 #   bash benchmarks/gpu_session.sh                  # everything; writes to $OUT if set, else outputs/gpu_session
 #   PARTS="tests kernels" bash benchmarks/gpu_session.sh   # only some of: b671 tests b16 kernels eager (default:

@@ -10,6 +10,7 @@ elements average out: the normwise relative error of a GEMM of random operands s
 operand (about 0.04 for both), whatever K, far below the elementwise worst case.
 """
 
+import json
 import math
 
 import pytest
@@ -796,6 +797,33 @@ def test_real_kernel_paths_trace_under_compile(kernel):
         assert "CPU" in str(e) or "Invalid scaling configuration" in str(e), e
     else:
         pytest.fail("ran on CPU: an FP8 GEMM with no CPU kernel in torch 2.13 ran")
+
+
+def test_fp8_kernels_benchmark_reports_what_ran_when_stopped(monkeypatch, capsys):
+    """A SIGTERM during the candidates (gpu_session.sh's time limit) ends the run with the report of the candidates
+    that finished and `stopped` set, not with nothing; the process's SIGTERM handler is restored afterwards."""
+    import os
+    import signal
+
+    import benchmarks.fp8_kernels as bench
+    from quantization.fp8.kernels import Platform
+
+    def run_jobs(jobs, args, results, emulated):
+        results.append({"gemm": "671b wq_b", "kind": "linear", "recipe": "none", "candidate": "bf16 mm",
+                        "fwd_ms": 1.0, "fwd_bwd_ms": 3.0})
+        os.kill(os.getpid(), signal.SIGTERM)
+        results.append({"gemm": "never", "kind": "linear", "recipe": "none", "candidate": "after the signal"})
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(Platform, "detect", staticmethod(lambda device=None: _platform((9, 0))))
+    monkeypatch.setattr(bench, "_run_jobs", run_jobs)
+    monkeypatch.setattr(bench, "machine_info", dict)
+    before = signal.getsignal(signal.SIGTERM)
+    report = bench.main(["--shapes", "671b"])
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert report["stopped"].startswith("SIGTERM")
+    assert [r["candidate"] for r in report["results"]] == ["bf16 mm"]
+    assert json.loads(capsys.readouterr().out)["stopped"] == report["stopped"]
 
 
 def test_fp8_kernels_benchmark_needs_cuda(capsys):
