@@ -67,12 +67,13 @@ def fp8_speed_note(cfg, world_size: int, device: str) -> str | None:
     quantize, saved, weights = fp8["fp8_quantize_s"], fp8["fp8_saved_s"], fp8["fp8_quantize_weights_s"]
     if saved > quantize - weights:
         pays = (f"FP8 pays from about {weights / (saved - quantize + weights):.1f}x these tokens per GEMM (a larger "
-                "batch, or wider layers as at DeepSeek-V3 671B's shapes: train_configs/h100_bench_671b.toml)")
+                "batch, or wider layers)")
     else:
         pays = "at these layer widths FP8 does not pay at any batch (quantising the activations costs more than " \
                "the GEMMs save)"
     return (f"fp8.recipe = {cfg.fp8.recipe}: predicted {ratio:.2f}x bf16 tokens/s at these shapes (quantisation "
-            f"{quantize * 1e3:.1f} ms vs GEMM savings {saved * 1e3:.1f} ms per step, uncalibrated step-time model); "
+            f"{quantize * 1e3:.1f} ms vs GEMM savings {saved * 1e3:.1f} ms per step; step-time model calibrated on "
+            f"one H200 run, --hw.<input> to change it); "
             f"{pays}")
 
 
