@@ -71,8 +71,9 @@ MATCH_OTHER_QUANTISATION = 0.1  # torchao's / DeepGEMM's own scales against the 
 SKIPPED = "skipped: --budget-s spent"
 
 
-class Stopped(Exception):
-    """A SIGTERM arrived while candidates were running."""
+class Stopped(BaseException):
+    """A SIGTERM arrived while candidates were running. Not an Exception: the `except Exception` that records a
+    candidate's own error must let it through."""
 
 
 @contextlib.contextmanager
@@ -81,8 +82,9 @@ def stop_on_sigterm():
     the previous handler is restored after it."""
     def handler(signum, frame):
         raise Stopped("SIGTERM (a time limit) before every candidate ran: the missing ones did not run")
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = signal.getsignal(signal.SIGTERM)
     try:
+        signal.signal(signal.SIGTERM, handler)
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -287,8 +289,12 @@ def _run_candidates(gemm: str, kind: str, candidates: dict, x, w, dy, flops: flo
             emulated[recipe] = _outputs(fn, x, w, dy)
     variants = [(name, recipe, fn, False) for (name, recipe), fn in candidates.items()]
     if args.compile:
-        variants += [(f"{name} compiled", recipe, torch.compile(fn), True) for (name, recipe), fn in candidates.items()
-                     if "ours" in name or "bf16" in name]
+        from parallelisms.compile import EAGER_ROUNDINGS
+
+        # ours compiled as the trainer compiles an FP8 model, bf16 as it compiles a bf16 one
+        variants += [(f"{name} compiled", recipe, torch.compile(fn, options=EAGER_ROUNDINGS if "ours" in name
+                                                                else None), True)
+                     for (name, recipe), fn in candidates.items() if "ours" in name or "bf16" in name]
     results = []
     for name, recipe, fn, compiled in variants:
         row = {"gemm": gemm, "kind": kind, "recipe": recipe, "candidate": name}
@@ -389,17 +395,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     from quantization.fp8.kernels import Platform, blockwise_linear_kernels, grouped_kernel, rowwise_linear_kernel
 
     platform = Platform.detect("cuda")
-    linears, groups = _linear_candidates(platform), _grouped_candidates(platform)
-    jobs = []  # (gemm, kind, inputs(), candidates, flops), grouped first: the blockwise experts' choice is open
-    for shape_set in sets:
-        for name, E, rows, K, N in SHAPES[shape_set]["grouped"]:
-            jobs.append((f"{shape_set} {name} {E}x{rows}x{K}x{N}", "grouped", _grouped_job(E, rows, K, N),
-                         groups, 6 * E * rows * K * N))
-        for name, M, K, N in SHAPES[shape_set]["linear"]:
-            jobs.append((f"{shape_set} {name} {M}x{K}x{N}", "linear", _linear_job(M, K, N), linears, 6 * M * K * N))
     results, emulated, stopped = [], {}, None
     try:
-        with stop_on_sigterm():
+        with stop_on_sigterm():  # from the candidates' imports on (torchao's take ~15 s)
+            jobs = _jobs(sets, _linear_candidates(platform), _grouped_candidates(platform))
             _run_jobs(jobs, args, results, emulated)
     except Stopped as e:
         stopped = str(e)
@@ -414,6 +413,19 @@ def main(argv: list[str] | None = None) -> dict | None:
               "stopped": stopped, "results": results, "fastest": _fastest(results)}
     print(json.dumps(report, default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else str(v)))
     return report
+
+
+def _jobs(sets: list[str], linears: dict, groups: dict) -> list[tuple]:
+    """(gemm, kind, inputs(), candidates, flops) of every shape of `sets`, grouped GEMMs first in each set: the
+    blockwise experts' choice is the open one."""
+    jobs = []
+    for shape_set in sets:
+        for name, E, rows, K, N in SHAPES[shape_set]["grouped"]:
+            jobs.append((f"{shape_set} {name} {E}x{rows}x{K}x{N}", "grouped", _grouped_job(E, rows, K, N),
+                         groups, 6 * E * rows * K * N))
+        for name, M, K, N in SHAPES[shape_set]["linear"]:
+            jobs.append((f"{shape_set} {name} {M}x{K}x{N}", "linear", _linear_job(M, K, N), linears, 6 * M * K * N))
+    return jobs
 
 
 def _run_jobs(jobs: list, args, results: list[dict], emulated: dict) -> None:

@@ -119,9 +119,10 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     """`torch._grouped_mm(x, w.transpose(-2, -1), offs)` with e4m3 inputs quantised by `recipe`, on `kernel`
     (emulated, `_scaled_grouped_mm` rowwise, or blockwise scaled_mm per expert) for all three GEMMs.
 
-    x_PK holds the rows of expert e in [offs[e-1], offs[e]), each group starting on a multiple of 128 rows, so
-    the weight gradient's token tiles never straddle two experts, and P is a multiple of 128 (the rowwise weight
-    gradient's transposed operands are then laid out as `_grouped_mm` requires); rows past offs[-1] come out as
+    x_PK holds the rows of expert e in [offs[e-1], offs[e]), each group starting and ending on a multiple of 128
+    rows, so the weight gradient's token tiles never straddle two experts (nor the last expert and the rows past
+    it), and P should be a multiple of 128 (the rowwise weight gradient's transposed operands are then laid out as
+    `_grouped_mm` requires; the emulation pads other counts); rows past offs[-1] come out as
     zeros and get a
     zero gradient (CPU `_grouped_mm` leaves them uninitialised). An expert with no rows gets a zero weight
     gradient.
@@ -180,7 +181,7 @@ def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
     """Rows of expert e times w[e]^T, in e4m3 by `recipe`, computed in x's dtype (autocast off inside), on `kernel`
     (`kernels.grouped_kernel`).
 
-    Groups must start on multiples of 128 rows, and the row count be one (pad with zero rows); see
+    Groups must start and end on multiples of 128 rows, and the row count be one (pad with zero rows); see
     `_Fp8GroupedMMFn`.
     """
     with torch.autocast(x_PK.device.type, enabled=False):
@@ -205,7 +206,7 @@ class Fp8GroupedMM:
     on the kernel `kernels.grouped_kernel` chooses for `platform` (default: this machine) and each call's dtype and
     weight shape; `kernels` = "emulated": always the emulation.
 
-    Groups start on multiples of 128 rows, and the row count is one: the token tiles of the weight gradients'
+    Groups start and end on multiples of 128 rows, and the row count is one: the token tiles of the weight gradients'
     quantisation must not straddle two experts.
     """
 

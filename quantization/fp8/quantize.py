@@ -113,8 +113,9 @@ def quantize_row_segments(t_PC: torch.Tensor, segment_P: torch.Tensor, num_segme
     segment of its rows (`segment_P[p]` in [0, num_segments), constant on each tile of `BLOCK` rows).
 
     The rowwise recipe's expert weight gradients contract over each expert's own tokens: one scale per channel and
-    expert. The grouped layout starts every group on a multiple of `BLOCK` rows (`gemms.Fp8GroupedMM`), so each
-    segment's maximum is the maximum of its tiles' maxima: a plain reduction over the tiles, then a scatter over
+    expert. The grouped layout starts and ends every group on a multiple of `BLOCK` rows (`gemms.Fp8GroupedMM`;
+    rows past the last group that shared its last tile would count toward its scale), so each segment's maximum is
+    the maximum of its tiles' maxima: a plain reduction over the tiles, then a scatter over
     P / BLOCK tile maxima, not over every element (a scatter_reduce of every element of a row into its few
     segments serialises on atomics: 9 ms per call at the 671B shapes on an H200, 47% of the FP8 step).
 
@@ -140,7 +141,8 @@ def quantize_row_segments(t_PC: torch.Tensor, segment_P: torch.Tensor, num_segme
 def dequantize_row_segments(q_CP: torch.Tensor, scale: torch.Tensor, segment_P: torch.Tensor,
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The inverse of `quantize_row_segments`: t^T [C, P] in `dtype`."""
-    # exact in place: e4m3 values times a power of two are representable in bf16 as in fp32
+    # exact in place in bf16 and fp32: e4m3 values times a power of two (in fp16 scales below 2^-24 underflow, as
+    # in `_qdq`)
     return q_CP.to(dtype).mul_(scale.to(dtype).index_select(0, segment_P).t())
 
 

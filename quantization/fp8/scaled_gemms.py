@@ -14,9 +14,9 @@ torch._scaled_grouped_mm, rowwise: a [P, K] row-major with one scale per row ([P
 A linear's three GEMMs are all `blockwise_mm`: forward (x, W, blocks), dgrad (dY, W^T, blocks), wgrad (dY^T, x^T,
 1 x 128 tiles along the tokens). Blockwise grouped experts without DeepGEMM run one scaled_mm per expert
 (`dsv3_fp8::blockwise_grouped_mm`, a custom op on operands quantised before it: it reads the group offsets on the
-host, which torch.compile must not trace). The blockwise scaled_mm itself is a custom op too (`dsv3_fp8::scaled_mm_blockwise`): torch 2.11's
-dynamo refuses to trace `F.scaled_mm` (`torch._scaled_mm_v2` is marked skipped; seen on an H200), so a compiled
-model keeps it opaque while the quantisation around it is fused. Its fake kernel is the same code on fake tensors:
+host, which torch.compile must not trace). The blockwise scaled_mm itself is a custom op too
+(`dsv3_fp8::scaled_mm_blockwise`): torch 2.11's dynamo refuses to trace `F.scaled_mm` (`torch._scaled_mm_v2` is
+marked skipped; seen on an H200), so a compiled model keeps it opaque while the quantisation around it is fused. Its fake kernel is the same code on fake tensors:
 torch's meta checks of the layouts run there too.
 """
 
@@ -140,7 +140,8 @@ def quantize_per_expert(a: torch.Tensor, b: torch.Tensor, gemm: str
     every group (groups end on multiples of 128); the tiles past the last group are their own and go unused."""
     if gemm == "wgrad":
         rows = a.shape[0] - a.shape[0] % BLOCK
-        return (*quantize_tiles(a.narrow(0, 0, rows).t(), 1, BLOCK), *quantize_tiles(b.narrow(0, 0, rows).t(), 1, BLOCK))
+        return (*quantize_tiles(a.narrow(0, 0, rows).t(), 1, BLOCK),
+                *quantize_tiles(b.narrow(0, 0, rows).t(), 1, BLOCK))
     E = b.shape[0]
     w = b if gemm == "fwd" else b.transpose(-2, -1)  # the second operand with its K last
     rows, cols = w.shape[1:]
