@@ -73,7 +73,7 @@ def fp8_speed_note(cfg, world_size: int, device: str) -> str | None:
                "the GEMMs save)"
     return (f"fp8.recipe = {cfg.fp8.recipe}: predicted {ratio:.2f}x bf16 tokens/s at these shapes (quantisation "
             f"{quantize * 1e3:.1f} ms vs GEMM savings {saved * 1e3:.1f} ms per step; step-time model calibrated on "
-            f"one H200 run, `python -m trainer.plan --hw.<input>` tries others); "
+            f"one H200 run; .venv/bin/python -m trainer.plan --hw.<input> tries others); "
             f"{pays}")
 
 
