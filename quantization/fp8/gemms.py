@@ -122,10 +122,8 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     x_PK holds the rows of expert e in [offs[e-1], offs[e]), each group starting and ending on a multiple of 128
     rows, so the weight gradient's token tiles never straddle two experts (nor the last expert and the rows past
     it), and P should be a multiple of 128 (the rowwise weight gradient's transposed operands are then laid out as
-    `_grouped_mm` requires; the emulation pads other counts); rows past offs[-1] come out as
-    zeros and get a
-    zero gradient (CPU `_grouped_mm` leaves them uninitialised). An expert with no rows gets a zero weight
-    gradient.
+    `_grouped_mm` requires; the emulation pads other counts); rows past offs[-1] come out as zeros and get a zero
+    gradient (CPU `_grouped_mm` leaves them uninitialised). An expert with no rows gets a zero weight gradient.
     """
 
     @staticmethod

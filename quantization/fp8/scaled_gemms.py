@@ -16,8 +16,8 @@ A linear's three GEMMs are all `blockwise_mm`: forward (x, W, blocks), dgrad (dY
 (`dsv3_fp8::blockwise_grouped_mm`, a custom op on operands quantised before it: it reads the group offsets on the
 host, which torch.compile must not trace). The blockwise scaled_mm itself is a custom op too
 (`dsv3_fp8::scaled_mm_blockwise`): torch 2.11's dynamo refuses to trace `F.scaled_mm` (`torch._scaled_mm_v2` is
-marked skipped; seen on an H200), so a compiled model keeps it opaque while the quantisation around it is fused. Its fake kernel is the same code on fake tensors:
-torch's meta checks of the layouts run there too.
+marked skipped; seen on an H200), so a compiled model keeps it opaque while the quantisation around it is fused.
+Its fake kernel is the same code on fake tensors: torch's meta checks of the layouts run there too.
 """
 
 from __future__ import annotations
