@@ -28,7 +28,7 @@ from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory.monitor import MemoryMonitor
 from trainer.optimizer import (BF16MomentsAdamW, adamw_tensor_step, build_optimizer, skippable_tensor_step,
                                tile_params)
-from trainer.stochastic_rounding import CHUNK_ELEMENTS, TRANSIENT_BYTES_PER_ELEMENT
+from trainer.stochastic_rounding import CHUNK_ELEMENTS, TRANSIENT_BYTES_PER_ELEMENT, kernel_site
 from trainer.tools.memory_plan import plan
 from trainer.train import Trainer, prepare, run as train_run
 
@@ -359,9 +359,9 @@ def test_bf16_moments_memory_measured_exactly(implementation, max_group_bytes, r
         measured[state_dtype] = (monitor.last_stats.breakdown["optimizer_state"], peaks[-1])
     (state32, _), (state16, peak16) = measured["float32"], measured["bfloat16"]
     # 16 float32 step counters in both; the bfloat16 optimizer's 0-d learning rate is 4 bytes more, and with
-    # stochastic rounding each parameter's key and base index (0-d int64) 16 bytes each
+    # stochastic rounding each parameter's key (0-d int64) 8 bytes each
     assert state32 == 2 * param_bytes + 16 * FLOAT_BYTES
-    assert state16 == param_bytes + 16 * FLOAT_BYTES + FLOAT_BYTES + (16 * 16 if rounding == "stochastic" else 0)
+    assert state16 == param_bytes + 16 * FLOAT_BYTES + FLOAT_BYTES + (16 * 8 if rounding == "stochastic" else 0)
     copied = 2 * ({"foreach": param_bytes if max_group_bytes == 0 else LAYER_BYTES}.get(implementation, WEIGHT_BYTES))
     if rounding == "stochastic":
         copied += min(WEIGHT_BYTES // FLOAT_BYTES, CHUNK_ELEMENTS) * TRANSIENT_BYTES_PER_ELEMENT
@@ -402,7 +402,7 @@ def test_found_inf_skips_the_bf16_step():
 
 
 def test_compiled_form_of_the_stochastic_step_equals_the_eager_one():
-    """The fused CUDA kernel's form (`skippable_tensor_step`, the rounding's base index a tensor, one pass in int64)
+    """The fused CUDA kernel's form (`skippable_tensor_step`, the rounding a `kernel_site` tensor, one pass)
     traced by dynamo into one graph for every size (aot_eager here; inductor on CUDA in the cuda test) stores the
     moments bit for bit as the eager step (base an int, int32 chunks), from a global index past 2^32 on."""
     from torch._dynamo.utils import counters
@@ -418,8 +418,8 @@ def test_compiled_form_of_the_stochastic_step_equals_the_eager_one():
         m, v = torch.randn(n, generator=gen).bfloat16(), torch.rand(n, generator=gen).bfloat16()
         eager = [t.clone() for t in (p, m, v)] + [torch.tensor(4.0)]
         step = torch.tensor(4.0)
-        compiled(p, grad, m, v, step, torch.tensor(1e-2), torch.tensor(0.0), rounding=(key, torch.tensor(base)),
-                 **hyper)
+        compiled(p, grad, m, v, step, torch.tensor(1e-2), torch.tensor(0.0),
+                 rounding=torch.tensor(kernel_site(int(key), base)), **hyper)
         adamw_tensor_step(eager[0], grad, *eager[1:], torch.tensor(1e-2), rounding=(key, base), **hyper)
         assert torch.equal(m, eager[1]) and torch.equal(v, eager[2]) and torch.equal(step, eager[3])
         torch.testing.assert_close(p, eager[0], rtol=0, atol=1e-6)  # decompositions may differ in the last bit
@@ -526,8 +526,8 @@ def test_bf16_moments_save_what_the_memory_plan_predicts_on_the_small_model(tmp_
                                  round(history[-1]["memory/peak_allocated_GiB"] * 2 ** 30))
     (state32, peak32), (state16, peak16) = measured["float32"], measured["bfloat16"]
     plan32, plan16 = planned["float32"], planned["bfloat16"]
-    # less the bfloat16 optimizer's 0-d learning rate and each parameter's 0-d int64 key and base of its rounding
-    assert state32 - state16 == 4 * n_params - FLOAT_BYTES - 16 * n_tensors
+    # less the bfloat16 optimizer's 0-d learning rate and each parameter's 0-d int64 key of its rounding
+    assert state32 - state16 == 4 * n_params - FLOAT_BYTES - 8 * n_tensors
     assert plan32["optimizer_state_bytes"] - plan16["optimizer_state_bytes"] == 4 * n_params
     assert (plan32["peak_phase"], plan16["peak_phase"]) == ("backward_layer_1", "optimizer_step")
     # what the plan leaves out at the optimizer step: 0-d tensors (step counters, lr, bias corrections, the loss)

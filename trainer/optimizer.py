@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from core.config import option
-from trainer.stochastic_rounding import round_to_bf16, salt, shard_index_base, stochastic_round_
+from trainer.stochastic_rounding import kernel_site, round_to_bf16, salt, shard_index_base, stochastic_round_
 
 
 @dataclass
@@ -111,18 +111,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def store_moment(dst: torch.Tensor, value: torch.Tensor, step: torch.Tensor, tag: int, rounding) -> None:
     """``dst`` (a stored moment) := float32 ``value``: rounded to nearest where ``rounding`` is None, else
-    stochastically, with ``rounding = (key, base)``: the parameter's 0-d int64 key and the global index of its local
-    part's first element, an int (eagerly, a chunk at a time) or a 0-d int64 tensor (in a compiled kernel, in one
-    pass whose random bits cost no memory traffic). ``tag`` tells the two moments apart."""
+    stochastically, eagerly a chunk at a time with ``rounding = (key, base)`` (the parameter's 0-d int64 key and
+    the global index of its local part's first element, an int), or in one pass whose random bits cost no memory
+    traffic (a compiled kernel) with ``rounding`` the parameter's ``kernel_site`` as an int64 tensor. ``tag`` tells
+    the two moments apart."""
     if rounding is None:
         dst.copy_(value)
-        return
-    key, base = rounding
-    salt_ = salt(key, step, tag)
-    if isinstance(base, torch.Tensor):
-        dst.copy_(round_to_bf16(value, base, salt_))
+    elif isinstance(rounding, torch.Tensor):
+        dst.copy_(round_to_bf16(value, rounding, step, tag))
     else:
-        stochastic_round_(dst, value, base, salt_)
+        key, base = rounding
+        stochastic_round_(dst, value, base, salt(key, step, tag))
 
 
 def adamw_tensor_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -250,7 +249,7 @@ class BF16MomentsAdamW(torch.optim.AdamW):
         self.state_rounding = state_rounding
         # per parameter: (key of its random bits, global index of its local part's first element)
         self._sites: dict[torch.Tensor, tuple[int, int]] = {}
-        self._site_tensors: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._site_tensors: dict[torch.Tensor, torch.Tensor] = {}  # the above on the device, as used
         if state_rounding == "stochastic":
             params_in_order = [p for g in self.param_groups for p in g["params"]]
             for i, p in enumerate(params_in_order):
@@ -280,14 +279,19 @@ class BF16MomentsAdamW(torch.optim.AdamW):
 
     def _rounding(self, p: torch.Tensor, compiled: bool):
         """``rounding`` of ``store_moment`` for ``p``: None to nearest; else its key as a 0-d tensor on its device and
-        its base, as a 0-d tensor too for the compiled kernel (one graph for every parameter)."""
+        its base, or for the compiled kernel its ``kernel_site`` as a tensor (one graph for every parameter)."""
         if self.state_rounding == "nearest":
             return None
+        key, base = self._sites[p]
         if p not in self._site_tensors:
-            device = _local(p).device
-            self._site_tensors[p] = tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in self._sites[p])
-        key, base = self._site_tensors[p]
-        return key, (base if compiled else self._sites[p][1])
+            local = _local(p)
+            if compiled and local.numel() >= 1 << 32:
+                raise ValueError(f"optimizer.state_rounding = stochastic: a local part of {local.numel()} elements, "
+                                 "2^32 or more, is more than the compiled step rounds; shard the parameter or use "
+                                 "optimizer.implementation = for-loop")
+            self._site_tensors[p] = torch.tensor(kernel_site(key, base) if compiled else key, dtype=torch.int64,
+                                                 device=local.device)
+        return self._site_tensors[p] if compiled else (self._site_tensors[p], base)
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
