@@ -656,6 +656,52 @@ def test_apply_fp8_chooses_kernels_for_the_platform(caplog):
         assert type(wq) is Fp8Linear and wq.recipe == "rowwise"
 
 
+def test_per_expert_experts_read_the_group_ends_once_per_forward_and_backward(monkeypatch):
+    """The blockwise per-expert experts need the group ends on the host: on fake CUDA tensors, a forward and backward
+    copies them to the host once (in the forward; the backward reuses the copy), reads no device scalar, and each
+    of the three per-expert GEMMs (fwd, dgrad, wgrad) gets the host copy."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from quantization.fp8 import gemms
+    from quantization.fp8.gemms import _Fp8GroupedMMFn
+    from quantization.fp8.kernels import PER_EXPERT
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.to_host, self.scalars, self.gemm_offsets = 0, 0, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.scalars += 1
+            if func is torch.ops.aten._to_copy.default and args[0].is_cuda and kwargs.get("device") == \
+                    torch.device("cpu"):
+                self.to_host += 1
+            if func is torch.ops.dsv3_fp8.blockwise_grouped_mm.default:
+                self.gemm_offsets.append((args[5], args[4].device.type))
+            return func(*args, **kwargs)
+
+    class Ctx:  # the autograd engine would need a CUDA device: the Function's two halves are called directly
+        def save_for_backward(self, *tensors):
+            self.saved_tensors = tensors
+
+    # zeroing the tail rows indexes a fake CUDA tensor, which this CPU build refuses; it reads nothing on the host
+    monkeypatch.setattr(gemms, "_zero_tail", lambda t_PX, offs_E: t_PX)
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x, dy = (torch.empty(640, n, device="cuda", dtype=torch.bfloat16) for n in (2048, 640))
+        w = torch.empty(3, 640, 2048, device="cuda", dtype=torch.bfloat16)
+        offs = torch.empty(3, device="cuda", dtype=torch.int32)
+        ctx = Ctx()
+        with Reads() as reads:
+            _Fp8GroupedMMFn.forward(ctx, x, w, offs, "blockwise", PER_EXPERT)
+            _Fp8GroupedMMFn.backward(ctx, dy)
+    assert (reads.to_host, reads.scalars) == (1, 0)
+    assert sorted(reads.gemm_offsets) == [("dgrad", "cpu"), ("fwd", "cpu"), ("wgrad", "cpu")]
+
+
 def test_real_kernel_layouts_pass_torchs_checks():
     """Every real FP8 GEMM's operands and scales, on fake CUDA tensors: torch's own checks of scaled_mm (v2) and
     _scaled_grouped_mm (its meta kernels, which mirror the CUDA ones: row-major a, column-major b, the blockwise
