@@ -659,7 +659,8 @@ def test_apply_fp8_chooses_kernels_for_the_platform(caplog):
 def test_per_expert_experts_read_the_group_ends_once_per_forward_and_backward(monkeypatch):
     """The blockwise per-expert experts need the group ends on the host: on fake CUDA tensors, a forward and backward
     copies them to the host once (in the forward; the backward reuses the copy), reads no device scalar, and each
-    of the three per-expert GEMMs (fwd, dgrad, wgrad) gets the host copy."""
+    of the three per-expert GEMMs (fwd, dgrad, wgrad) gets the host copy. Compiled (aot_eager, on CPU with the
+    per-expert GEMMs stood in for), the partitioner saves the copy: it is in the forward graph, not the backward."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -700,6 +701,34 @@ def test_per_expert_experts_read_the_group_ends_once_per_forward_and_backward(mo
             _Fp8GroupedMMFn.backward(ctx, dy)
     assert (reads.to_host, reads.scalars) == (1, 0)
     assert sorted(reads.gemm_offsets) == [("dgrad", "cpu"), ("fwd", "cpu"), ("wgrad", "cpu")]
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def on_cpu(a, b, ends, gemm):  # the per-expert GEMMs' shapes, from what the CPU computes, using the ends
+        assert ends.device.type == "cpu"
+        used = (ends[-1] > 0).to(a.dtype)
+        if gemm == "wgrad":
+            return a.new_ones(ends.shape[0], a.shape[1], b.shape[1]) * used
+        return a @ (b[0].t() if gemm == "fwd" else b[0]) * used
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            # copies to the host of a graph input: the offsets' (a recompute in the backward would be one too)
+            graphs[name] = sum(n.target is torch.ops.aten._to_copy.default and n.kwargs.get("device") ==
+                               torch.device("cpu") and n.args[0].op == "placeholder" for n in gm.graph.nodes)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    monkeypatch.setattr(gemms, "blockwise_grouped", on_cpu)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b, o: _Fp8GroupedMMFn.apply(a, b, o, "blockwise", PER_EXPERT), fullgraph=True,
+                       backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
+    x, w = torch.randn(256, 128, requires_grad=True), torch.randn(2, 64, 128, requires_grad=True)
+    fn(x, w, torch.tensor([128, 256], dtype=torch.int32)).sum().backward()
+    assert (graphs["fw"], graphs["bw"]) == (1, 0)
 
 
 def test_real_kernel_layouts_pass_torchs_checks():

@@ -129,9 +129,10 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str,
                 kernel: str = EMULATED) -> torch.Tensor:
-        # the per-expert loop needs the group ends on the host: read once here (a host sync), kept for the
-        # backward's two GEMMs (on an H200 a read per GEMM left the GPU idle 43 ms of a 285 ms step)
-        ends_E = offs_E.cpu() if kernel == PER_EXPERT else offs_E
+        # the per-expert loop needs the group ends on the host: copied once here (a host sync), kept for the
+        # backward's two GEMMs (on an H200 a read per GEMM left the GPU idle 43 ms of a 285 ms step); a copy, so
+        # that it is a tensor of its own to save (compile's partitioner saves it rather than recompute it)
+        ends_E = offs_E.to("cpu", copy=True) if kernel == PER_EXPERT else offs_E
         ctx.save_for_backward(x_PK, w_ENK, offs_E, ends_E)
         ctx.recipe, ctx.kernel = recipe, kernel
         dtype = x_PK.dtype
