@@ -6,6 +6,7 @@ planned), the loss curve, FSDP2 + DCP on 2 ranks, stochastic rounding alike on e
 Run as a script, this file is the torchrun worker of the 2-rank test."""
 
 import copy
+import functools
 import logging
 import os
 import sys
@@ -26,8 +27,8 @@ from trainer.checkpoint.states import OptimizerState
 from trainer.job_config import load_config
 from trainer.lr_schedule import build_lr_scheduler
 from trainer.memory.monitor import MemoryMonitor
-from trainer.optimizer import (BF16MomentsAdamW, adamw_tensor_step, build_optimizer, skippable_tensor_step,
-                               tile_params)
+from trainer.optimizer import (BF16MomentsAdamW, adamw_tensor_step, build_optimizer, grad_scale_in_kernel,
+                               skippable_tensor_step, tile_params)
 from trainer.stochastic_rounding import CHUNK_ELEMENTS, TRANSIENT_BYTES_PER_ELEMENT, kernel_site
 from trainer.tools.memory_plan import plan
 from trainer.train import Trainer, prepare, run as train_run
@@ -395,7 +396,7 @@ def test_found_inf_skips_the_bf16_step():
         p, m, v, step = torch.randn(50), torch.randn(50).bfloat16(), torch.rand(50).bfloat16(), torch.tensor(3.0)
         grad = torch.randn(50) if flag == 0 else torch.full((50,), float("inf"))
         plain = [t.clone() for t in (p, m, v, step)]
-        skippable_tensor_step(p, grad, m, v, step, lr, torch.tensor(flag), **hyper)
+        skippable_tensor_step(p, grad, m, v, step, lr, torch.tensor(flag), torch.tensor(1.0), **hyper)
         if flag == 0:
             adamw_tensor_step(*plain[:1], grad, *plain[1:], lr, **hyper)
         assert all(torch.equal(a, b) for a, b in zip((p, m, v, step), plain))
@@ -403,8 +404,9 @@ def test_found_inf_skips_the_bf16_step():
 
 def test_compiled_form_of_the_stochastic_step_equals_the_eager_one():
     """The fused CUDA kernel's form (`skippable_tensor_step`, the rounding a `kernel_site` tensor, one pass)
-    traced by dynamo into one graph for every size (aot_eager here; inductor on CUDA in the cuda test) stores the
-    moments bit for bit as the eager step (base an int, int32 chunks), from a global index past 2^32 on."""
+    traced by dynamo into one graph for every size and gradient divisor (aot_eager here; inductor on CUDA in the
+    cuda test) stores the moments bit for bit as the eager step (base an int, int32 chunks), from a global index
+    past 2^32 on."""
     from torch._dynamo.utils import counters
 
     hyper = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -418,12 +420,50 @@ def test_compiled_form_of_the_stochastic_step_equals_the_eager_one():
         m, v = torch.randn(n, generator=gen).bfloat16(), torch.rand(n, generator=gen).bfloat16()
         eager = [t.clone() for t in (p, m, v)] + [torch.tensor(4.0)]
         step = torch.tensor(4.0)
-        compiled(p, grad, m, v, step, torch.tensor(1e-2), torch.tensor(0.0),
+        scale = torch.tensor(float(n % 3 + 1))  # the clipping's divisor: 1 is the default
+        compiled(p, grad, m, v, step, torch.tensor(1e-2), torch.tensor(0.0), scale,
                  rounding=torch.tensor(kernel_site(int(key), base)), **hyper)
-        adamw_tensor_step(eager[0], grad, *eager[1:], torch.tensor(1e-2), rounding=(key, base), **hyper)
+        adamw_tensor_step(eager[0], grad, *eager[1:], torch.tensor(1e-2), rounding=(key, base), grad_scale=scale,
+                          **hyper)
         assert torch.equal(m, eager[1]) and torch.equal(v, eager[2]) and torch.equal(step, eager[3])
         torch.testing.assert_close(p, eager[0], rtol=0, atol=1e-6)  # decompositions may differ in the last bit
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_clipping_by_the_optimizers_division_equals_clipping_in_place(monkeypatch, state_dtype):
+    """Gradients 50x over `max_norm`: dividing them by `clip_grad_scale` inside the step (torch's fused AdamW; the
+    compiled BF16-moment step, here through aot_eager) updates as clipping them in place first does, up to float32
+    rounding (a division where clipping multiplies; the first moment's cancellations make that 1e-10 absolute), and
+    the moments to within a bfloat16 step (a last-bit difference can flip a stochastic rounding). The compiled step
+    leaves the gradients undivided."""
+    import trainer.optimizer as optimizer_module
+    from parallelisms.clip import clip_grad_norm_, clip_grad_scale, global_grad_norm
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(optimizer_module, "_compiles", lambda device: True)
+    monkeypatch.setattr(optimizer_module, "_compiled_tensor_step", functools.cache(
+        lambda: torch.compile(skippable_tensor_step, dynamic=True, fullgraph=True, backend="aot_eager")))
+    params, grads = _tensors()
+    twins = copy.deepcopy(params)
+    in_place, in_kernel = (build_optimizer([ps], opt_cfg(0, "fused", state_dtype)) for ps in (params, twins))
+    assert grad_scale_in_kernel(in_kernel)
+    for step_grads in grads[:3]:
+        for p, q, g in zip(params, twins, step_grads):
+            p.grad, q.grad = g * 50, g * 50
+        norm = clip_grad_norm_(list(params), 1.0)
+        in_kernel.grad_scale = clip_grad_scale(global_grad_norm(list(twins)), 1.0)
+        assert in_kernel.grad_scale.item() == pytest.approx(norm.item(), rel=1e-6) and norm > 10
+        for opt in (in_place, in_kernel):
+            opt.found_inf = torch.zeros(())
+            opt.step()
+        if state_dtype == "bfloat16":  # not written back
+            assert all(torch.equal(q.grad, g * 50) for q, g in zip(twins, step_grads))
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-6, atol=1e-7)
+        for key in MOMENTS:
+            torch.testing.assert_close(in_kernel.state[q][key].float(), in_place.state[p][key].float(),
+                                       rtol=2 ** -7 if state_dtype == "bfloat16" else 1e-5, atol=1e-9)
 
 
 def _step_both(eager, step_other, params, twins, grads) -> None:
@@ -536,6 +576,32 @@ def test_bf16_moments_save_what_the_memory_plan_predicts_on_the_small_model(tmp_
     assert abs((peak32 - peak16) / predicted_saving - 1) < 0.15, (peak32 - peak16, predicted_saving)
     # the step-time model's optimizer traffic: 28 bytes per parameter, 20 with bfloat16 moments
     assert (plan32["work"]["optimizer_bytes_per_param"], plan16["work"]["optimizer_bytes_per_param"]) == (28, 20)
+
+
+def test_trainer_clips_inside_the_fused_step_as_clipping_in_place_does(tmp_path):
+    """With fused AdamW the trainer clips by the optimizer's division (`grad_scale`, no pass of its own); SMALL with
+    a max_norm that clips every step trains as with clipping in place (the trainer's other path, forced here), to
+    float32 rounding, and logs the same gradient norms."""
+    runs = {}
+    for in_step in (True, False):
+        cfg = load_config(_small_args(tmp_path, "--memory.track", "off", "--training.steps", "4",
+                                      "--training.max_norm", "0.05", "--optimizer.implementation", "fused",
+                                      "--job.dump_folder", str(tmp_path / str(in_step))))
+        trainer = Trainer(prepare(cfg, world_size=1, rank=0), torch.device("cpu"))
+        assert trainer._clip_in_step
+        trainer._clip_in_step = in_step
+        history = []
+        try:
+            trainer.train(history)
+        finally:
+            trainer.close()
+        runs[in_step] = ([h[key] for h in history for key in ("loss", "grad_norm")],
+                         [p.detach().clone() for p in trainer.model_parts[0].parameters()])
+    (logged, params), (logged_ref, params_ref) = runs[True], runs[False]
+    assert len(logged) == 8 and all(norm > 0.05 for norm in logged[1::2])
+    assert logged == pytest.approx(logged_ref, rel=1e-5)
+    for p, q in zip(params, params_ref):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_moments_loss_curve_stays_within_half_a_percent(tmp_path):

@@ -69,7 +69,7 @@ class OptimizerSection:
 
 
 __all__ = ["BF16MomentsAdamW", "STATE_DTYPES", "adamw_foreach_step", "adamw_tensor_step", "build_optimizer",
-           "local_nbytes", "skippable_tensor_step", "store_moment", "tile_params"]
+           "grad_scale_in_kernel", "local_nbytes", "skippable_tensor_step", "store_moment", "tile_params"]
 
 #: `optimizer.state_dtype` -> the moments' dtype
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -126,16 +126,20 @@ def store_moment(dst: torch.Tensor, value: torch.Tensor, step: torch.Tensor, tag
 
 def adamw_tensor_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                       step: torch.Tensor, lr: torch.Tensor, beta1: float, beta2: float, eps: float,
-                      weight_decay: float, rounding=None) -> None:
+                      weight_decay: float, rounding=None, grad_scale: torch.Tensor | None = None) -> None:
     """One AdamW update of one tensor whose moments are stored in low precision; the math in float32.
 
     ``param``, ``grad``: float32; ``exp_avg``, ``exp_avg_sq``: the stored moments, updated in place; ``step``: the
     tensor's 0-d float32 step counter, incremented here; ``lr``: a 0-d float32 tensor; ``rounding``: how the moments
-    are stored (``store_moment``). The moments are upcast, updated, used for the parameter's update in float32 and
-    stored rounded back: torch's AdamW with float32 state (same order of operations) but for the rounding of what
-    is stored. The values that change from step to step (``lr``, ``step``) are tensors, so that a compiled copy runs
-    every step without recompiling.
+    are stored (``store_moment``); ``grad_scale``: a 0-d tensor the gradient is divided by first (clipping, or
+    GradScaler's unscaling), as torch's fused AdamW does: not written back here (a compiled kernel saves the pass),
+    so eagerly a gradient-sized temporary. The moments are upcast, updated, used for the parameter's update in
+    float32 and stored rounded back: torch's AdamW with float32 state (same order of operations) but for the
+    rounding of what is stored. The values that change from step to step (``lr``, ``step``, ``grad_scale``) are
+    tensors, so that a compiled copy runs every step without recompiling.
     """
+    if grad_scale is not None:
+        grad = grad / grad_scale
     step.add_(1)
     bias_correction1 = 1 - beta1 ** step
     bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
@@ -185,14 +189,16 @@ def adamw_foreach_step(params: list[torch.Tensor], grads: list[torch.Tensor], ex
 
 
 def skippable_tensor_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                          step: torch.Tensor, lr: torch.Tensor, found_inf: torch.Tensor, rounding=None,
-                          **hyperparameters) -> None:
+                          step: torch.Tensor, lr: torch.Tensor, found_inf: torch.Tensor, grad_scale: torch.Tensor,
+                          rounding=None, **hyperparameters) -> None:
     """``adamw_tensor_step`` that leaves every tensor as it was where the 0-d ``found_inf`` is nonzero: a
-    non-finite step skipped on the device, without a host sync (the ``found_inf`` protocol of torch's fused AdamW
-    and GradScaler). Meant to be compiled: there the saved values are loads of the same fused kernel, not copies."""
+    non-finite step skipped on the device, without a host sync (the ``found_inf`` and ``grad_scale`` protocol of
+    torch's fused AdamW and GradScaler). Meant to be compiled: there the saved values are loads of the same fused
+    kernel, not copies, and dividing by ``grad_scale`` (1 where none is given) costs no pass of its own."""
     tensors = (param, exp_avg, exp_avg_sq, step)
     saved = [t.clone() for t in tensors]
-    adamw_tensor_step(param, grad, exp_avg, exp_avg_sq, step, lr, rounding=rounding, **hyperparameters)
+    adamw_tensor_step(param, grad, exp_avg, exp_avg_sq, step, lr, rounding=rounding, grad_scale=grad_scale,
+                      **hyperparameters)
     skip = found_inf != 0
     for t, old in zip(tensors, saved):
         t.copy_(torch.where(skip, old, t))
@@ -223,9 +229,11 @@ class BF16MomentsAdamW(torch.optim.AdamW):
       kernel that reads and writes 20 bytes per parameter, as torchao's low-bit optimizers do. Elsewhere (CPU)
       ``adamw_tensor_step`` runs eagerly, like ``for-loop``: its float32 copies of one tensor's moments are the
       transient.
-      Like torch's fused AdamW it takes ``found_inf`` (set as an attribute, as GradScaler and the trainer do): a
-      nonzero value skips the step, on CUDA inside the kernel, elsewhere read on the host. ``grad_scale`` (an
-      unscaled GradScaler step) is refused: bfloat16 training needs no loss scaling.
+      Like torch's fused AdamW it takes ``found_inf`` and ``grad_scale`` (set as attributes, as GradScaler and the
+      trainer do): a nonzero ``found_inf`` skips the step, on CUDA inside the kernel, elsewhere read on the host;
+      the gradients are divided by ``grad_scale`` (the trainer's clipping: ``grad_scale_in_kernel``), on CUDA
+      inside the kernel and not written back (torch's fused AdamW writes them back), elsewhere into a temporary.
+      The other implementations refuse ``grad_scale``.
     * ``for-loop``: one tensor at a time, eagerly.
     * ``foreach``: torch's multi-tensor kernels per parameter group (``adamw_foreach_step``): float32 copies of the
       whole group's moments exist during its step, so tile with ``max_group_bytes``.
@@ -261,21 +269,29 @@ class BF16MomentsAdamW(torch.optim.AdamW):
                 self._sites[p] = (zlib.crc32(f"{seed}:{name}".encode()), base)
         self._step_supports_amp_scaling = implementation == "fused"  # it takes found_inf, as torch's fused does
         self._lrs: dict[torch.device, torch.Tensor] = {}  # a 0-d lr per device, refilled per group
-        self._no_inf: dict[torch.device, torch.Tensor] = {}
+        self._defaults: dict[tuple[str, torch.device], torch.Tensor] = {}  # found_inf 0 and grad_scale 1
 
     def _lr(self, device: torch.device, lr) -> torch.Tensor:
         if device not in self._lrs:
             self._lrs[device] = torch.zeros((), dtype=torch.float32, device=device)
         return self._lrs[device].fill_(lr)  # a kernel argument on CUDA: no host-to-device copy, no sync
 
-    def _found_inf(self, device: torch.device) -> torch.Tensor:
-        """`found_inf` on `device` for the compiled step, zero where none was given."""
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None:
-            return found_inf.to(device=device, dtype=torch.float32)
-        if device not in self._no_inf:
-            self._no_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
-        return self._no_inf[device]
+    def _flag(self, name: str, device: torch.device, default: float) -> torch.Tensor:
+        """The attribute `name` (`found_inf`, `grad_scale`) on `device` for the compiled step, `default` where none
+        was given (a tensor: one graph either way)."""
+        value = getattr(self, name, None)
+        if value is not None:
+            return value.to(device=device, dtype=torch.float32)
+        if (name, device) not in self._defaults:
+            self._defaults[name, device] = torch.full((), default, dtype=torch.float32, device=device)
+        return self._defaults[name, device]
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the step runs the compiled kernel (``fused`` on CUDA), where ``found_inf`` and ``grad_scale`` cost
+        no host read and no pass of their own."""
+        return self.implementation == "fused" and any(_compiles(p.device) for g in self.param_groups
+                                                      for p in g["params"])
 
     def _rounding(self, p: torch.Tensor, compiled: bool):
         """``rounding`` of ``store_moment`` for ``p``: None to nearest; else its key as a 0-d tensor on its device and
@@ -308,12 +324,12 @@ class BF16MomentsAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if getattr(self, "grad_scale", None) is not None:
-            raise RuntimeError("BF16MomentsAdamW takes no grad_scale: unscale the gradients first "
-                               "(GradScaler.unscale_)")
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None and self.implementation != "fused":
+            raise RuntimeError(f"BF16MomentsAdamW with implementation {self.implementation} takes no grad_scale: "
+                               "unscale the gradients first (GradScaler.unscale_)")
         found_inf = getattr(self, "found_inf", None)
-        compiled = self.implementation == "fused" and any(_compiles(p.device) for g in self.param_groups
-                                                          for p in g["params"])
+        compiled = self.compiled
         if found_inf is not None and not compiled and found_inf.item():
             return loss  # off the compiled kernel the flag is read here: on CPU that costs no wait
         for group in self.param_groups:
@@ -343,10 +359,12 @@ class BF16MomentsAdamW(torch.optim.AdamW):
                     if all(t.is_contiguous() for t in (p, g, m, v)):
                         # detached: dynamo guards on a view's base too, whose rank differs from tensor to tensor
                         p, g, m, v = (t.view(-1).detach() for t in (p, g, m, v))
-                    _compiled_tensor_step()(p, g, m, v, step, lr, self._found_inf(p.device),
+                    _compiled_tensor_step()(p, g, m, v, step, lr, self._flag("found_inf", p.device, 0.0),
+                                            self._flag("grad_scale", p.device, 1.0),
                                             rounding=self._rounding(param, compiled=True), **hyper)
                 else:
-                    adamw_tensor_step(p, g, m, v, step, lr, rounding=self._rounding(param, compiled=False), **hyper)
+                    adamw_tensor_step(p, g, m, v, step, lr, rounding=self._rounding(param, compiled=False),
+                                      grad_scale=None if grad_scale is None else grad_scale.to(p.device), **hyper)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -364,6 +382,16 @@ class BF16MomentsAdamW(torch.optim.AdamW):
                     state[key] = saved[key].to(dtype=self.state_dtype, device=params[pid].device)
             if "step" in state:
                 state["step"] = state["step"].to(dtype=torch.float32, device=_local(params[pid]).device)
+
+
+def grad_scale_in_kernel(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer`'s step divides the gradients by a ``grad_scale`` attribute inside its kernel: torch's
+    fused AdamW (which writes the divided gradients back: a write instead of clipping's read and write) and the
+    compiled BF16-moment step (which does not: no pass at all). Clipping by that division saves a pass over every
+    gradient (``parallelisms/clip.py``)."""
+    if isinstance(optimizer, BF16MomentsAdamW):
+        return optimizer.compiled
+    return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
 
 
 def build_optimizer(model_parts: list[nn.Module], cfg, seed: int = 0) -> torch.optim.Optimizer:

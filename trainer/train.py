@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from core.config import ConfigError
 from core.loss import ScaledLoss, count_valid_tokens
 from parallelisms.activation_checkpoint.policy import force_modules_warning, user_force_modules
-from parallelisms.clip import clip_grad_norm_
+from parallelisms.clip import clip_grad_norm_, clip_grad_scale, global_grad_norm
 from parallelisms.compile import SECONDS_PER_GRAPH, compile_loss, first_compile
 from parallelisms.context_parallel import ContextParallel, own_share
 from parallelisms.mesh import build_meshes
@@ -62,7 +62,7 @@ from trainer.memory.ranks import (FIELDS, HANDLES_TAG, WORST_RANK_TAG, CrossRank
                                   memory_values, place_of)
 from trainer.memory.snapshots import MemorySnapshots
 from trainer.metrics import MetricLogger, init_logging, new_run_dir
-from trainer.optimizer import build_optimizer
+from trainer.optimizer import build_optimizer, grad_scale_in_kernel
 from trainer.preemption import PreemptedError, Preemption, Stop, listen, parse_signals
 from trainer.prepare import Prepared, prepare, warn_settings_without_effect
 from trainer.step_scalars import PendingSteps, StepRecord, read_to_host
@@ -125,6 +125,9 @@ class Trainer:
                               for opt in self.optimizers]
         # torch's flag for an optimizer that takes `found_inf` (fused AdamW): a non-finite step is skipped on the device
         self._skips_on_device = all(getattr(opt, "_step_supports_amp_scaling", False) for opt in self.optimizers)
+        # clipping by the optimizers' own division of the gradients saves a pass over them (parallelisms/clip.py)
+        self._clip_in_step = (cfg.training.max_norm > 0 and self._skips_on_device
+                              and all(grad_scale_in_kernel(opt) for opt in self.optimizers))
         if not self._skips_on_device and self.rank == 0:
             logger.info("optimizer.implementation = %s: skipping a non-finite step makes the host wait for each "
                         "step's loss and gradient norm (torch's foreach and for-loop AdamW take no device-side "
@@ -343,11 +346,15 @@ class Trainer:
         self._advance("gradient clipping and optimizer step")
         with record_function("phase/optimizer"):
             params = [p for part in self.model_parts for p in part.parameters()]
-            grad_norm = clip_grad_norm_(params, cfg.training.max_norm, self.pp_group)
+            if self._clip_in_step:
+                grad_norm = global_grad_norm(params, self.pp_group)
+                grad_scale = clip_grad_scale(grad_norm, cfg.training.max_norm)
+            else:
+                grad_norm, grad_scale = clip_grad_norm_(params, cfg.training.max_norm, self.pp_group), None
             loss = self._all_reduce_sum(loss_sum, with_pp=True) / global_tokens
             lr = self.lr_schedulers[0].get_last_lr()[0]
             nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-            self._optimizer_step(nonfinite)
+            self._optimizer_step(nonfinite, grad_scale)
             for sched in self.lr_schedulers:
                 sched.step()
             for opt in self.optimizers:
@@ -357,15 +364,16 @@ class Trainer:
                         "local_tokens": own_labels.numel(), "global_tokens": global_tokens})
         return scalars
 
-    def _optimizer_step(self, nonfinite: torch.Tensor) -> None:
+    def _optimizer_step(self, nonfinite: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         """Step every optimizer unless the step's loss or gradient norm is not finite. A fused AdamW (and the
         bf16-moment one) skips on the device, given the flag as `found_inf` (the hook torch's GradScaler uses), so
         the host never waits for the decision; torch's foreach and for-loop AdamW take no such flag, and the host
-        reads it (one wait per step, as torch's GradScaler does for them)."""
+        reads it (one wait per step, as torch's GradScaler does for them). `grad_scale`: the clipping's divisor,
+        for optimizers that divide in their kernel (the same hook), else None (clipped in place)."""
         if self._skips_on_device:
             found_inf = nonfinite.float()
             for opt in self.optimizers:
-                opt.found_inf = found_inf
+                opt.found_inf, opt.grad_scale = found_inf, grad_scale
                 opt.step()
         elif not read_to_host([nonfinite])[0]:
             for opt in self.optimizers:
