@@ -509,14 +509,17 @@ def test_fused_step_compiles_one_graph_for_every_parameter(monkeypatch):
 def test_cuda_compiled_bf16_step_matches_the_eager_one_and_compiles_once():
     """The fused step on CUDA is `skippable_tensor_step` compiled (dynamic shapes, lr and step as tensors, the
     stochastic rounding's bits computed in the kernel): equal to the same math run eagerly on CPU up to float32
-    rounding (a last-bit difference can flip a stochastic rounding: one bfloat16 step), one graph (two at most:
-    1-element tensors) for every tensor and step, and found_inf skips inside the kernel."""
+    rounding (a last-bit difference can flip a stochastic rounding: one bfloat16 step), with the gradients divided
+    by a `grad_scale` (the trainer's clipping) in both, one graph (two at most: 1-element tensors) for every tensor
+    and step, and found_inf skips inside the kernel."""
     from torch._dynamo.utils import counters
 
     params, grads = _tensors()
     on_cuda = nn.ParameterList([nn.Parameter(p.detach().cuda()) for p in params])
     cfg = opt_cfg(0, "fused", "bfloat16")
     eager, compiled = build_optimizer([params], cfg), build_optimizer([on_cuda], cfg)
+    assert grad_scale_in_kernel(compiled) and not grad_scale_in_kernel(eager)
+    eager.grad_scale, compiled.grad_scale = torch.tensor(3.0), torch.tensor(3.0, device="cuda")
     counters.clear()
     _step_both(eager, compiled.step, params, on_cuda, grads)
     assert counters["stats"]["unique_graphs"] <= 2
