@@ -25,6 +25,13 @@ class QuantizedGroupedMM(Protocol):
     #: every group must start on a multiple of this many rows, and the row count be one (pad with zero rows)
     row_align: int
 
-    def __call__(self, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        """x_PK's rows grouped by the int32 end offsets offs_E, times the stored weights w_ENK [E, out, in]."""
+    def host_offsets(self, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor | None:
+        """offs_E copied to the host if the GEMM of these operands reads the group offsets there (a host sync), else
+        None: the module copies them once for all of a layer's projections and passes the copy to each call."""
+        ...
+
+    def __call__(self, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
+                 host_offs_E: torch.Tensor | None = None) -> torch.Tensor:
+        """x_PK's rows grouped by the int32 end offsets offs_E, times the stored weights w_ENK [E, out, in];
+        `host_offs_E`: `host_offsets`' copy, if it gave one."""
         ...

@@ -659,8 +659,9 @@ def test_apply_fp8_chooses_kernels_for_the_platform(caplog):
 def test_per_expert_experts_read_the_group_ends_once_per_forward_and_backward(monkeypatch):
     """The blockwise per-expert experts need the group ends on the host: on fake CUDA tensors, a forward and backward
     copies them to the host once (in the forward; the backward reuses the copy), reads no device scalar, and each
-    of the three per-expert GEMMs (fwd, dgrad, wgrad) gets the host copy. Compiled (aot_eager, on CPU with the
-    per-expert GEMMs stood in for), the partitioner saves the copy: it is in the forward graph, not the backward."""
+    of the three per-expert GEMMs (fwd, dgrad, wgrad) gets the host copy. The routed experts' three projections
+    compiled (aot_eager, on CPU with the per-expert GEMMs stood in for) copy once for all three, in the forward
+    graph: the partitioner saves the copy for the backward rather than copy again there."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -705,6 +706,9 @@ def test_per_expert_experts_read_the_group_ends_once_per_forward_and_backward(mo
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
+    from models.deepseek_v3.moe import _swiglu_quantized
+    from quantization.fp8.kernels import Platform
+
     def on_cpu(a, b, ends, gemm):  # the per-expert GEMMs' shapes, from what the CPU computes, using the ends
         assert ends.device.type == "cpu"
         used = (ends[-1] > 0).to(a.dtype)
@@ -716,18 +720,22 @@ def test_per_expert_experts_read_the_group_ends_once_per_forward_and_backward(mo
 
     def keep(name):
         def compiler(gm, example_inputs):
-            # copies to the host of a graph input: the offsets' (a recompute in the backward would be one too)
+            # copies to the host of the offsets (a recompute in the backward would be one too)
             graphs[name] = sum(n.target is torch.ops.aten._to_copy.default and n.kwargs.get("device") ==
-                               torch.device("cpu") and n.args[0].op == "placeholder" for n in gm.graph.nodes)
+                               torch.device("cpu") for n in gm.graph.nodes)
             return make_boxed_func(gm.forward)
         return compiler
 
     monkeypatch.setattr(gemms, "blockwise_grouped", on_cpu)
+    monkeypatch.setattr(gemms, "grouped_kernel", lambda *args: PER_EXPERT)  # as on a Hopper GPU
+    mm = gemms.Fp8GroupedMM("blockwise", platform=Platform("cpu"))
     torch._dynamo.reset()
-    fn = torch.compile(lambda a, b, o: _Fp8GroupedMMFn.apply(a, b, o, "blockwise", PER_EXPERT), fullgraph=True,
+    fn = torch.compile(lambda *args: _swiglu_quantized(*args, mm), fullgraph=True,
                        backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
-    x, w = torch.randn(256, 128, requires_grad=True), torch.randn(2, 64, 128, requires_grad=True)
-    fn(x, w, torch.tensor([128, 256], dtype=torch.int32)).sum().backward()
+    x = torch.randn(200, 128, requires_grad=True)
+    w1, w3 = (torch.randn(2, 64, 128, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(2, 128, 64, requires_grad=True)
+    fn(x, w1, w2, w3, torch.tensor([150, 50])).sum().backward()
     assert (graphs["fw"], graphs["bw"]) == (1, 0)
 
 

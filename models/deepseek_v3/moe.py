@@ -183,8 +183,9 @@ def _swiglu_row_aligned(x, w1, w2, w3, counts_E, align: int):
 def _swiglu_quantized(x, w1, w2, w3, counts_E, mm: QuantizedGroupedMM):
     """The SwiGLU experts on a lower-precision grouped GEMM (weights as stored: [E, out, in])."""
     x_P, dest_N, offsets_E = _align_rows(x, counts_E, mm.row_align)
-    h = F.silu(mm(x_P, w1, offsets_E)) * mm(x_P, w3, offsets_E)
-    return mm(h, w2, offsets_E).index_select(0, dest_N)
+    host_E = mm.host_offsets(x_P, w1, offsets_E)  # one host copy for the three projections, where one is read
+    h = F.silu(mm(x_P, w1, offsets_E, host_E)) * mm(x_P, w3, offsets_E, host_E)
+    return mm(h, w2, offsets_E, host_E).index_select(0, dest_N)
 
 
 def padded_rows(num_rows: int, num_experts: int, align: int) -> int:

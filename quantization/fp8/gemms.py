@@ -115,6 +115,11 @@ def _segments(num_rows: int, offsets_E: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(torch.arange(num_rows, device=offsets_E.device), offsets_E, right=True)
 
 
+def _to_host(offs_E: torch.Tensor) -> torch.Tensor:
+    """A copy of the group offsets on the host (a host sync from a GPU), for the per-expert loop."""
+    return offs_E.to("cpu", copy=True)
+
+
 class _Fp8GroupedMMFn(torch.autograd.Function):
     """`torch._grouped_mm(x, w.transpose(-2, -1), offs)` with e4m3 inputs quantised by `recipe`, on `kernel`
     (emulated, `_scaled_grouped_mm` rowwise, or blockwise scaled_mm per expert) for all three GEMMs.
@@ -128,11 +133,13 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str,
-                kernel: str = EMULATED) -> torch.Tensor:
-        # the per-expert loop needs the group ends on the host: copied once here (a host sync), kept for the
-        # backward's two GEMMs (on an H200 a read per GEMM left the GPU idle 43 ms of a 285 ms step); a copy, so
-        # that it is a tensor of its own to save (compile's partitioner saves it rather than recompute it)
-        ends_E = offs_E.to("cpu", copy=True) if kernel == PER_EXPERT else offs_E
+                kernel: str = EMULATED, host_offs_E: torch.Tensor | None = None) -> torch.Tensor:
+        # the per-expert loop needs the group ends on the host: the caller's copy, else copied here (a host
+        # sync), kept for the backward's two GEMMs (on an H200 a read per GEMM left the GPU idle 43 ms of a 285 ms
+        # step); a copy, so that it is a tensor of its own to save (compile's partitioner saves it, not recompute)
+        ends_E = offs_E
+        if kernel == PER_EXPERT:
+            ends_E = _to_host(offs_E) if host_offs_E is None else host_offs_E
         ctx.save_for_backward(x_PK, w_ENK, offs_E, ends_E)
         ctx.recipe, ctx.kernel = recipe, kernel
         dtype = x_PK.dtype
@@ -170,7 +177,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
             dw = torch._grouped_mm(a, b.t(), offs=offs_E)
         counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
         dw = torch.where((counts_E > 0).view(-1, 1, 1), dw, 0)
-        return _zero_tail(dx, offs_E), dw.to(w_ENK.dtype), None, None, None
+        return _zero_tail(dx, offs_E), dw.to(w_ENK.dtype), None, None, None, None
 
 
 def _zero_tail(t_PX: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -179,9 +186,10 @@ def _zero_tail(t_PX: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str,
-                   kernel: str = EMULATED) -> torch.Tensor:
+                   kernel: str = EMULATED, host_offs_E: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of expert e times w[e]^T, in e4m3 by `recipe`, computed in x's dtype (autocast off inside), on `kernel`
-    (`kernels.grouped_kernel`).
+    (`kernels.grouped_kernel`); `host_offs_E`, a host copy of offs_E for the kernels that read it there (copied
+    here where not given).
 
     Groups must start and end on multiples of 128 rows, and the row count be one (pad with zero rows); see
     `_Fp8GroupedMMFn`.
@@ -190,7 +198,7 @@ def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
         w_ENK = w_ENK.to(x_PK.dtype)
         if kernel == DEEPGEMM:
             return _zero_tail(_deepgemm_grouped_mm(x_PK, w_ENK, offs_E), offs_E)
-        return _Fp8GroupedMMFn.apply(x_PK, w_ENK, offs_E, recipe, kernel)
+        return _Fp8GroupedMMFn.apply(x_PK, w_ENK, offs_E, recipe, kernel, host_offs_E)
 
 
 def _deepgemm_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -218,9 +226,16 @@ class Fp8GroupedMM:
         self.recipe, self.kernels = recipe, kernels
         self.platform = Platform.detect() if platform is None else platform
 
-    def __call__(self, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        kernel = EMULATED
-        if self.kernels != EMULATED:
-            kernel = grouped_kernel(_platform(self.platform, x_PK), self.recipe, x_PK.dtype, w_ENK.shape[2],
-                                    w_ENK.shape[1])
-        return fp8_grouped_mm(x_PK, w_ENK, offs_E, self.recipe, kernel)
+    def _kernel(self, x_PK: torch.Tensor, w_ENK: torch.Tensor) -> str:
+        if self.kernels == EMULATED:
+            return EMULATED
+        return grouped_kernel(_platform(self.platform, x_PK), self.recipe, x_PK.dtype, w_ENK.shape[2],
+                              w_ENK.shape[1])
+
+    def host_offsets(self, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor | None:
+        """A host copy of offs_E where these operands run on the per-expert loop (which reads it), else None."""
+        return _to_host(offs_E) if self._kernel(x_PK, w_ENK) == PER_EXPERT else None
+
+    def __call__(self, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
+                 host_offs_E: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_grouped_mm(x_PK, w_ENK, offs_E, self.recipe, self._kernel(x_PK, w_ENK), host_offs_E)
