@@ -116,7 +116,8 @@ def _segments(num_rows: int, offsets_E: torch.Tensor) -> torch.Tensor:
 
 
 def _to_host(offs_E: torch.Tensor) -> torch.Tensor:
-    """A copy of the group offsets on the host (a host sync from a GPU), for the per-expert loop."""
+    """A copy of the group offsets on the host (a host sync from a GPU), for the per-expert loop; a copy from host
+    memory too, so that a CPU run's graphs hold the same copy a GPU run's do (tests/test_fp8.py counts it)."""
     return offs_E.to("cpu", copy=True)
 
 
@@ -134,9 +135,9 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str,
                 kernel: str = EMULATED, host_offs_E: torch.Tensor | None = None) -> torch.Tensor:
-        # the per-expert loop needs the group ends on the host: the caller's copy, else copied here (a host
-        # sync), kept for the backward's two GEMMs (on an H200 a read per GEMM left the GPU idle 43 ms of a 285 ms
-        # step); a copy, so that it is a tensor of its own to save (compile's partitioner saves it, not recompute)
+        # the per-expert loop needs the group ends on the host: the caller's copy (one per MoE layer), else
+        # copied here (a host sync), saved for the backward's two GEMMs (on an H200 a read per GEMM left the GPU
+        # idle 43 ms of a 285 ms step)
         ends_E = offs_E
         if kernel == PER_EXPERT:
             ends_E = _to_host(offs_E) if host_offs_E is None else host_offs_E

@@ -120,7 +120,7 @@ def _per_expert(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: to
 def _per_expert_op(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, offs_E: torch.Tensor,
                    gemm: str, out_dtype: torch.dtype) -> torch.Tensor:
     """`_per_expert` with the group ends read from `offs_E` (on the device a host sync, which torch.compile must not
-    trace; `_Fp8GroupedMMFn` hands it a copy on the host, read once per forward)."""
+    trace; the routed experts hand it a copy on the host, made once per MoE layer's forward)."""
     return _per_expert(a_q, a_s, b_q, b_s, offs_E.tolist(), gemm, out_dtype)
 
 
