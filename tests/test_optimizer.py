@@ -577,8 +577,34 @@ def test_bf16_moments_save_what_the_memory_plan_predicts_on_the_small_model(tmp_
     assert 0 <= peak16 - plan16["predicted_peak_bytes"] < 4096
     predicted_saving = plan32["predicted_peak_bytes"] - plan16["predicted_peak_bytes"]
     assert abs((peak32 - peak16) / predicted_saving - 1) < 0.15, (peak32 - peak16, predicted_saving)
-    # the step-time model's optimizer traffic: 28 bytes per parameter, 20 with bfloat16 moments
-    assert (plan32["work"]["optimizer_bytes_per_param"], plan16["work"]["optimizer_bytes_per_param"]) == (28, 20)
+    # the step-time model's optimizer traffic: AdamW's 28 bytes per parameter, 20 with bfloat16 moments, plus
+    # clipping's: the norm's read, then fused float32 AdamW's write-back of the divided gradients (8), in place on
+    # CPU with bfloat16 moments (their step is not compiled there: 12)
+    assert (plan32["work"]["optimizer_bytes_per_param"], plan16["work"]["optimizer_bytes_per_param"]) == (36, 32)
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_the_step_time_models_clipping_traffic_follows_the_trainers_choice(tmp_path, implementation, state_dtype):
+    """The plan's optimizer traffic counts clipping as the trainer runs it on CPU: the norm's read (4 bytes per
+    parameter), then a read and write in place (8), or only fused AdamW's write-back (4) where the trainer clips by
+    the optimizer's division; none of it without clipping. On CUDA the compiled BF16-moment step divides without
+    writing back."""
+    args = _small_args(tmp_path, "--memory.track", "off", "--optimizer.implementation", implementation,
+                       "--optimizer.state_dtype", state_dtype)
+    cfg = load_config(args)
+    trainer = Trainer(prepare(cfg, world_size=1, rank=0), torch.device("cpu"))
+    try:
+        clip_bytes = 4 + (4 if trainer._clip_in_step else 8)
+    finally:
+        trainer.close()
+    adamw = 28 if state_dtype == "float32" else 20
+    assert plan(cfg, 1)["ranks"][0]["work"]["optimizer_bytes_per_param"] == adamw + clip_bytes
+    assert plan(load_config(args + ["--training.max_norm", "0"]), 1)["ranks"][0]["work"][
+        "optimizer_bytes_per_param"] == adamw
+    in_kernel_on_cuda = implementation == "fused" and state_dtype == "bfloat16"
+    assert plan(cfg, 1, device="cuda")["ranks"][0]["work"]["optimizer_bytes_per_param"] == adamw + 4 + (
+        0 if in_kernel_on_cuda else clip_bytes - 4)
 
 
 def test_trainer_clips_inside_the_fused_step_as_clipping_in_place_does(tmp_path):

@@ -345,7 +345,7 @@ def test_fp8_operands_from_the_models_shapes():
 
 def test_fp8_predicted_slower_at_16b_shapes_and_near_bf16_at_671b_shapes():
     """The planner's step time counts FP8's quantisation, calibrated on the 2026-11-27 H200 run: at the 16B
-    benchmark's shapes (1408-wide experts, 768 rows each) FP8 is predicted well below bf16 (0.73x on an H100); at the
+    benchmark's shapes (1408-wide experts, 768 rows each) FP8 is predicted well below bf16 (0.74x on an H100); at the
     671B benchmark's (2048-wide experts over dim 7168, 4096 rows each) near it, below on an H100's 3.35 TB/s and above
     on an H200's 4.8 TB/s (measured there: rowwise 1.005x). Preflight says so in one line before a CUDA launch when
     FP8 is predicted slower, with what it costs and saves and whether more tokens per GEMM would make it pay (at

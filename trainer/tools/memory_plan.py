@@ -129,6 +129,20 @@ def _block_choices(cfg, layer_ids: list[int], per_layer: Mapping[int, LayerChoic
     return {i: (ac.mode, frozenset()) for i in layer_ids}
 
 
+def _clipping_bytes_per_param(cfg, device: str) -> int:
+    """HBM traffic of gradient clipping per parameter (float32 gradients): the norm reads every gradient; scaling in
+    place reads and writes it again, unless the optimizer divides inside its step (trainer `_clip_in_step`): torch's
+    fused AdamW writes the divided gradient back, the compiled BF16-moment step (fused on CUDA) does not."""
+    opt = cfg.optimizer
+    if cfg.training.max_norm <= 0:
+        return 0
+    if opt.implementation != "fused":
+        return 4 + 8
+    if opt.state_dtype == "bfloat16":
+        return 4 + (0 if device == "cuda" else 8)
+    return 4 + 4
+
+
 def _optimizer_transient(cfg, param_bytes: int, largest_local_param: int, device: str) -> int:
     """Foreach AdamW allocates one parameter-sized temporary per group; fused and for-loop almost nothing. With
     bf16 moments (`BF16MomentsAdamW`) the step holds float32 copies of both moments instead: of one tensor when
@@ -378,8 +392,9 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
                                        if it.name.startswith("cp.") and again(b.layer, it.op)),
             "fsdp_unit_bytes": units if fsdp else [], "unit_element_bytes": pbytes, "hidden_bytes": stage.hidden_bytes,
             "grad_bytes": grads, "param_count": stage.param_numel, "token_bytes": hidden * max(a, 2),
-            # AdamW's traffic per parameter: weights read and written, the gradient read, both moments read and written
-            "optimizer_bytes_per_param": 3 * 4 + 4 * moment_bytes}
+            # AdamW's traffic per parameter: weights read and written, the gradient read, both moments read and
+            # written; plus gradient clipping's
+            "optimizer_bytes_per_param": 3 * 4 + 4 * moment_bytes + _clipping_bytes_per_param(cfg, device)}
     return {
         "rank": pp_rank * (dims.world_size // dims.pp), "coords": {"pp": pp_rank, "dp_replicate": 0, "efsdp": 0,
                                                                    "ep": 0, "cp": 0},

@@ -20,7 +20,9 @@ predicts S). docs/memory.md, "Layout planner", writes the model down:
                gradients (backward), per block and microbatch, (cp-1)/cp of the whole sequences' bytes
     pp       = the hidden state and its gradient, per microbatch and stage boundary
     hsdp     = all-reduce of the sharded fp32 gradients over the replicas, once per step
-    optimizer= AdamW's memory traffic per local parameter over HBM: 28 bytes, 20 with bf16 moments
+    optimizer= AdamW's memory traffic per local parameter over HBM: 28 bytes, 20 with bf16 moments; plus
+               clipping's: 4 for the norm, 8 more in place, 4 with fused AdamW's write-back, none in the
+               compiled bf16-moment step
 
     step = max(compute + fp8 + bubble, fsdp) + first all-gather + ep + cp + pp + hsdp + optimizer
 
