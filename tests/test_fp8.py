@@ -936,3 +936,80 @@ def test_fp8_kernels_benchmark_needs_cuda(capsys):
     with pytest.raises(SystemExit) as bad:
         main(["--shapes", "7b"])
     assert bad.value.code == 2 and "--shapes: unknown 7b; allowed: 16b, 671b" in capsys.readouterr().err
+
+
+class _Fp8Block(torch.nn.Module):
+    """The routed experts (benchmarks/fp8_traffic.py) and a blockwise linear on their real-kernel paths, float32
+    master weights as parameters."""
+
+    def __init__(self, recipe: str, experts: int, dim: int, inter: int, rows: int):
+        import benchmarks.fp8_traffic as traffic
+
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.experts = traffic.SwiGLU(experts, dim, inter, traffic.Experts(recipe), torch.full((experts,), rows), gen)
+        self.out = torch.nn.Parameter(torch.randn(dim, dim, generator=gen) * 0.02)
+
+    def forward(self, x):
+        from quantization.fp8.gemms import _Fp8LinearFn
+        from quantization.fp8.kernels import SCALED_MM_BLOCKS, SCALED_MM_TILES, LinearKernels
+
+        real = LinearKernels(SCALED_MM_BLOCKS, SCALED_MM_BLOCKS, SCALED_MM_TILES)
+        return _Fp8LinearFn.apply(self.experts(x), self.out.to(x.dtype), "blockwise", real)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_compiled_real_fp8_paths_save_no_quantised_weight_for_the_backward(monkeypatch, tmp_path, recipe):
+    """The dgrad quantises W^T, which depends on the weight only: torch.compile's partitioner may compute it in the
+    forward and save the e4m3 copy for the backward. Under FSDP that holds 1 byte per element of every layer's
+    unsharded weights until the backward, the memory trap of torchao's Float8Linear with FSDP (pytorch/ao#562).
+    The partitioner treats parameters as free to save (`treat_parameters_as_free_to_save`), so with our weights as
+    parameters it quantises W^T again in the backward: with FSDP2's bf16 parameters nothing weight-sized is saved
+    in e4m3 (compiled with the partitioner inductor uses, `aot_eager_decomp_partition`; torch's FP8 GEMMs stand in
+    as zeros, benchmarks/fp8_traffic.py). The control: the same experts with their weights passed as plain tensors
+    save e4m3 weights, so the check sees what it looks for."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import benchmarks.fp8_traffic as traffic
+    from models.deepseek_v3.moe import _experts_grouped_mm
+
+    for owner, name, stand_in in traffic.stand_ins():
+        monkeypatch.setattr(owner, name, stand_in)
+    E, D, F, rows = 2, 384, 384, 128  # no activation has a weight's element count (E * D * F, D * D)
+
+    def saved_e4m3(fn, *args) -> set[int]:
+        """Element counts of the e4m3 tensors saved for the backward of fn(*args)."""
+        saved = set()
+
+        def pack(t):
+            if t.dtype == torch.float8_e4m3fn:
+                saved.add(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fn(*args)
+        y.float().sum().backward()
+        return saved
+
+    weight_sizes = {E * D * F, D * D}
+    x = torch.randn(E * rows, D, dtype=torch.bfloat16, requires_grad=True)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        torch._dynamo.reset()
+        block = _Fp8Block(recipe, E, D, F, rows)
+        block.compile(fullgraph=True, backend="aot_eager_decomp_partition")
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        saved = saved_e4m3(block, x)
+        assert saved and not saved & weight_sizes, saved  # e4m3 activations only
+    finally:
+        dist.destroy_process_group()
+    torch._dynamo.reset()
+    experts = _Fp8Block(recipe, E, D, F, rows).experts
+    weights = [w.detach().requires_grad_() for w in (experts.w1, experts.w2, experts.w3)]
+    control = torch.compile(lambda x, *w: _experts_grouped_mm(x, *w, experts.counts, quantized_mm=experts.experts_mm),
+                            fullgraph=True, backend="aot_eager_decomp_partition")
+    assert saved_e4m3(control, x, *weights) & weight_sizes

@@ -177,7 +177,7 @@ def _swiglu_grouped(x, w1, w2, w3, offsets_E):
 def _swiglu_row_aligned(x, w1, w2, w3, counts_E, align: int):
     """`_swiglu_grouped` with each expert's rows padded with zero rows to a multiple of `align`."""
     x_P, dest_N, offsets_E = _align_rows(x, counts_E, align)
-    return _swiglu_grouped(x_P, w1, w2, w3, offsets_E).index_select(0, dest_N)
+    return gather_rows(_swiglu_grouped(x_P, w1, w2, w3, offsets_E), dest_N)
 
 
 def _swiglu_quantized(x, w1, w2, w3, counts_E, mm: QuantizedGroupedMM):
@@ -185,7 +185,32 @@ def _swiglu_quantized(x, w1, w2, w3, counts_E, mm: QuantizedGroupedMM):
     x_P, dest_N, offsets_E = _align_rows(x, counts_E, mm.row_align)
     host_E = mm.host_offsets(x_P, w1, offsets_E)  # one host copy for the three projections, where one is read
     h = F.silu(mm(x_P, w1, offsets_E, host_E)) * mm(x_P, w3, offsets_E, host_E)
-    return mm(h, w2, offsets_E, host_E).index_select(0, dest_N)
+    return gather_rows(mm(h, w2, offsets_E, host_E), dest_N)
+
+
+class _GatherRows(torch.autograd.Function):
+    """`t_P.index_select(0, rows_N)` for rows that never repeat, whose backward copies each gradient row into its
+    row (`index_copy_`) where index_select's adds it (`index_add_`). Adding needs atomics in case rows repeat, and
+    inductor has no bf16 atomic add on CUDA: it runs index_add on ATen's eager kernel, which took 7.4-8.0 ms of the
+    FP8 steps at the 671B shapes on an H200 (2026-11-27, `indexFuncLargeIndex ... ReduceAdd`). A copy is a plain
+    store, which inductor generates and fuses."""
+
+    @staticmethod
+    def forward(ctx, t_P: torch.Tensor, rows_N: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows_N)
+        ctx.num_rows = t_P.shape[0]
+        return t_P.index_select(0, rows_N)
+
+    @staticmethod
+    def backward(ctx, grad_N: torch.Tensor):
+        (rows_N,) = ctx.saved_tensors
+        return grad_N.new_zeros(ctx.num_rows, *grad_N.shape[1:]).index_copy_(0, rows_N, grad_N), None
+
+
+def gather_rows(t_P: torch.Tensor, rows_N: torch.Tensor) -> torch.Tensor:
+    """Rows `rows_N` of t_P (indices that never repeat: `_align_rows`' destinations); rows of t_P not gathered get
+    a zero gradient."""
+    return _GatherRows.apply(t_P, rows_N)
 
 
 def padded_rows(num_rows: int, num_experts: int, align: int) -> int:
@@ -200,7 +225,7 @@ def _align_rows(x, counts_E, align: int):
     The padded layout has a fixed size (every group gains at most align - 1 rows, and the total is rounded up to a
     multiple of align), so shapes never depend on the routing, and the transposed layouts of the weight gradients
     have row strides that are multiples of 16 bytes, as `_grouped_mm` requires (under EP a rank's row count is
-    anything). Rows go in with `index_copy_` and come out with `index_select`, whose backward passes only read and
+    anything). Rows go in with `index_copy_` and come out with `gather_rows`, whose backward passes only read and
     write the rows of the groups: the uninitialised rows `_grouped_mm` leaves past the last group are never read.
     """
     N, E = x.shape[0], counts_E.shape[0]
