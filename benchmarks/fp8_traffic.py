@@ -154,9 +154,11 @@ class _Count:
     def __enter__(self):
         import torch._inductor.metrics as metrics
 
-        torch._logging.set_logs(inductor_metrics=True)
+        # inductor counts the bytes when this logger takes INFO records; they go nowhere
         log = logging.getLogger("torch._inductor.compile_fx.__inductor_metrics")
-        self._handlers, log.handlers, log.propagate = log.handlers, [logging.NullHandler()], False
+        self._saved = log.level, log.handlers, log.propagate
+        log.setLevel(logging.INFO)
+        log.handlers, log.propagate = [logging.NullHandler()], False
         self.metrics, self.log = metrics, log
         metrics.reset()
         return self
@@ -176,8 +178,8 @@ class _Count:
         return kernels
 
     def __exit__(self, *exc):
-        self.log.handlers, self.log.propagate = self._handlers, True
-        torch._logging.set_logs()
+        level, self.log.handlers, self.log.propagate = self._saved
+        self.log.setLevel(level)
 
 
 def _measure(recipe: str, rows_per_expert: int, experts: int, dim: int, inter: int, seed: int) -> dict:
@@ -247,17 +249,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernels", type=int, default=12, help="list this many of the largest kernels")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for owner, name, stand_in in stand_ins():  # torch's FP8 GEMMs have no CPU kernel (module docstring)
-        setattr(owner, name, stand_in)
-    # inductor's C++ loop split asserts on the blockwise tilings (torch 2.13, as in quantize._qdq_op); it only
-    # rewrites a kernel's loops after fusion, so the kernels and their bytes stay the same without it
+    for owner, name, value in stand_ins() + compile_settings():
+        setattr(owner, name, value)
+    print(json.dumps(run(args), indent=1))
+
+
+def compile_settings() -> list[tuple[object, str, object]]:
+    """(owner, attribute, value) that the measurement needs, set like `stand_ins`: no cached graphs (a cached graph
+    is not generated again, and only generation counts its bytes), and no C++ loop split, which asserts on the
+    blockwise tilings (torch 2.13, as in `quantize._qdq_op`) and only rewrites a kernel's loops after fusion, so the
+    kernels and their bytes stay the same without it."""
     from torch._inductor.codegen.cpp import CppScheduling
 
-    CppScheduling.try_loop_split = lambda self, nodes: nodes
-    # a cached graph is not generated again, and only generation counts its bytes
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
-    print(json.dumps(run(args), indent=1))
+    return [(torch._inductor.config, "fx_graph_cache", False), (torch._functorch.config, "enable_autograd_cache", False),
+            (CppScheduling, "try_loop_split", lambda self, nodes: nodes)]
 
 
 if __name__ == "__main__":

@@ -1013,3 +1013,23 @@ def test_compiled_real_fp8_paths_save_no_quantised_weight_for_the_backward(monke
     control = torch.compile(lambda x, *w: _experts_grouped_mm(x, *w, experts.counts, quantized_mm=experts.experts_mm),
                             fullgraph=True, backend="aot_eager_decomp_partition")
     assert saved_e4m3(control, x, *weights) & weight_sizes
+
+
+@pytest.mark.slow
+def test_fp8_traffic_benchmark_counts_the_generated_kernels_only(monkeypatch):
+    """benchmarks/fp8_traffic.py's measurement at small widths, rowwise: it counts inductor's generated kernels
+    (the stood-in GEMMs and other extern kernels left out) forward and backward, each with the buffers it reads and
+    writes; the weights' quantisation is one of them, a kernel that reads a master weight."""
+    import benchmarks.fp8_traffic as traffic
+
+    for owner, name, value in traffic.stand_ins() + traffic.compile_settings():
+        monkeypatch.setattr(owner, name, value)
+    run = traffic._measure("rowwise", rows_per_expert=128, experts=2, dim=256, inter=128, seed=0)
+    assert run["rows"] == 256
+    for pass_ in ("forward", "backward"):
+        assert run[pass_]["kernels"] > 3 and run[pass_]["bytes"] > 0
+    kernels = run["largest"]
+    assert sum(k["bytes"] for k in kernels) == run["forward"]["bytes"] + run["backward"]["bytes"]
+    assert all(k["bytes"] > 0 and k["writes"] for k in kernels)
+    weight_bytes = 2 * 128 * 256 * 4  # one float32 master weight read whole
+    assert any(k["bytes"] >= weight_bytes and any(r.startswith("primals") for r in k["reads"]) for k in kernels)
