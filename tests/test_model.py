@@ -212,8 +212,8 @@ def test_grouped_mm_under_autocast_computes_in_bf16_with_cpu_aligned_groups():
 
 def test_gathering_the_padded_rows_back_copies_their_gradients_without_an_index_add():
     """`gather_rows` is index_select forward and backward (rows not gathered get zero), and its backward copies rows
-    (`index_copy`) instead of adding them: inductor runs a bf16 index_add on ATen's eager kernel (no bf16 atomics),
-    7.4-8.0 ms of the FP8 steps at the 671B shapes on an H200. The FP8 experts' SwiGLU compiled (AOT autograd) has
+    (`index_copy`) instead of adding them: inductor leaves a bf16 index_add to ATen's eager kernel, 7.4-8.0 ms of
+    the FP8 steps at the 671B shapes on an H200. The FP8 experts' SwiGLU compiled (AOT autograd) has
     no index_add in its backward graph."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd

@@ -190,10 +190,10 @@ def _swiglu_quantized(x, w1, w2, w3, counts_E, mm: QuantizedGroupedMM):
 
 class _GatherRows(torch.autograd.Function):
     """`t_P.index_select(0, rows_N)` for rows that never repeat, whose backward copies each gradient row into its
-    row (`index_copy_`) where index_select's adds it (`index_add_`). Adding needs atomics in case rows repeat, and
-    inductor has no bf16 atomic add on CUDA: it runs index_add on ATen's eager kernel, which took 7.4-8.0 ms of the
-    FP8 steps at the 671B shapes on an H200 (2026-11-27, `indexFuncLargeIndex ... ReduceAdd`). A copy is a plain
-    store, which inductor generates and fuses."""
+    row (`index_copy_`) where index_select's adds it (`index_add_`, atomics in case rows repeat). Inductor does not
+    generate a bf16 index_add (its decomposition declines bf16, pytorch/pytorch#137425): ATen's eager kernel ran it,
+    7.4-8.0 ms of the FP8 steps at the 671B shapes on an H200 (2026-11-27, `indexFuncLargeIndex ... ReduceAdd`). A
+    copy is a plain store, which inductor generates and fuses."""
 
     @staticmethod
     def forward(ctx, t_P: torch.Tensor, rows_N: torch.Tensor) -> torch.Tensor:
