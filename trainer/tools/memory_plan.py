@@ -129,18 +129,22 @@ def _block_choices(cfg, layer_ids: list[int], per_layer: Mapping[int, LayerChoic
     return {i: (ac.mode, frozenset()) for i in layer_ids}
 
 
+def _bf16_step_compiled(opt, device: str) -> bool:
+    """Whether the optimizer step is `BF16MomentsAdamW`'s compiled kernel (fused, on CUDA: its `compiled`)."""
+    return opt.state_dtype == "bfloat16" and opt.implementation == "fused" and device == "cuda"
+
+
 def _clipping_bytes_per_param(cfg, device: str) -> int:
-    """HBM traffic of gradient clipping per parameter (float32 gradients): the norm reads every gradient; scaling in
-    place reads and writes it again, unless the optimizer divides inside its step (trainer `_clip_in_step`): torch's
-    fused AdamW writes the divided gradient back, the compiled BF16-moment step (fused on CUDA) does not."""
-    opt = cfg.optimizer
+    """HBM traffic of gradient clipping per parameter (float32 gradients), as the trainer clips (`_clip_in_step`):
+    the norm reads every gradient; then the compiled BF16-moment step divides in its kernel without writing back,
+    torch's fused AdamW divides and writes the gradient back, and everything else scales in place (read and write)."""
     if cfg.training.max_norm <= 0:
         return 0
-    if opt.implementation != "fused":
-        return 4 + 8
-    if opt.state_dtype == "bfloat16":
-        return 4 + (0 if device == "cuda" else 8)
-    return 4 + 4
+    if _bf16_step_compiled(cfg.optimizer, device):
+        return 4
+    if cfg.optimizer.implementation == "fused" and cfg.optimizer.state_dtype == "float32":
+        return 4 + 4
+    return 4 + 8
 
 
 def _optimizer_transient(cfg, param_bytes: int, largest_local_param: int, device: str) -> int:
@@ -150,7 +154,7 @@ def _optimizer_transient(cfg, param_bytes: int, largest_local_param: int, device
     fused kernel on CUDA. Eager stochastic rounding adds its temporaries for one chunk of the largest tensor."""
     opt = cfg.optimizer
     copies = 2 if opt.state_dtype == "bfloat16" else 1
-    compiled = opt.implementation == "fused" and device == "cuda"
+    compiled = _bf16_step_compiled(opt, device)
     rounding = 0
     if copies == 2 and opt.state_rounding == "stochastic" and not compiled:
         rounding = min(largest_local_param // 4, CHUNK_ELEMENTS) * TRANSIENT_BYTES_PER_ELEMENT
