@@ -785,31 +785,33 @@ def test_real_kernel_layouts_pass_torchs_checks():
 
 
 
-def test_per_expert_weight_gradient_passes_its_column_slices_without_copying_them(monkeypatch):
-    """The blockwise per-expert weight gradient contracts over each expert's tokens: its e4m3 operands are column
-    slices of dY^T [N, P] and x^T [K, P]. torch's scaled_mm takes such a view with its leading stride, so on fake
-    CUDA tensors no e4m3 tensor is copied in any of the three per-expert GEMMs (on an H200 these copies took
-    8.3 ms of a 285 ms step). A slice cuBLASLt could not take (start or leading stride not a multiple of 16 bytes,
-    K not unit-stride) is copied to row-major."""
+def test_per_expert_gemms_write_one_output_from_uncopied_operands(monkeypatch):
+    """The blockwise per-expert GEMMs, on fake CUDA tensors: no e4m3 operand is copied and no output concatenated.
+    The weight gradient contracts over each expert's tokens, so its operands are column slices of dY^T [N, P] and
+    x^T [K, P], which torch's scaled_mm takes with their leading stride (copying them took 8.3 ms of a 285 ms step
+    on an H200); each GEMM writes its rows of the one output (the 18 concatenations took 5.0 ms there). A slice
+    cuBLASLt could not take (start or leading stride not a multiple of 16 bytes, K not unit-stride) is copied to
+    row-major."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from quantization.fp8 import scaled_gemms
     from quantization.fp8.scaled_gemms import _k_major, per_expert_blockwise
 
-    # the scaled_mm custom op's own ops run under the fake mode alone: called directly, they pass the counter
-    monkeypatch.setattr(scaled_gemms, "_scaled_blockwise", scaled_gemms._blockwise_scaled_mm)
+    # the custom op's own ops run under the fake mode alone: its fake kernel, called directly, passes the counter
+    monkeypatch.setattr(scaled_gemms, "_scaled_blockwise_into", scaled_gemms._blockwise_into_checked)
 
-    class Fp8Copies(TorchDispatchMode):
+    class Counted(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.copies, self.gemms = 0, 0
+            self.fp8_copies, self.gemms, self.concatenations = 0, 0, 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.gemms += func is torch.ops.aten._scaled_mm_v2.default
+            self.concatenations += func in (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
             if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default,
                         torch.ops.aten._to_copy.default) and args[-1].dtype == torch.float8_e4m3fn:
-                self.copies += 1
+                self.fp8_copies += 1
             return func(*args, **(kwargs or {}))
 
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
@@ -817,17 +819,24 @@ def test_per_expert_weight_gradient_passes_its_column_slices_without_copying_the
         E, P, K, N = 4, 1024, 512, 384
         xg, wg, dyg = torch.empty(P, K, **bf16), torch.empty(E, N, K, **bf16), torch.empty(P, N, **bf16)
         ends = [256, 256, 768, 896]  # an empty expert, experts starting inside the tensor, rows past the last
-        with Fp8Copies() as counted:
+        with Counted() as counted:
             assert per_expert_blockwise(xg, wg, ends, "fwd").shape == (P, N)
             assert per_expert_blockwise(dyg, wg, ends, "dgrad").shape == (P, K)
             assert per_expert_blockwise(dyg, xg, ends, "wgrad").shape == (E, N, K)
-        assert counted.copies == 0 and counted.gemms == 3 * 3  # three non-empty groups per GEMM
+        assert (counted.fp8_copies, counted.concatenations, counted.gemms) == (0, 0, 3 * 3)  # 3 non-empty groups
         q = torch.empty(N, P, device="cuda", dtype=torch.float8_e4m3fn)
         view = q.narrow(1, 256, 512)
         assert _k_major(view) is view
         for unfit in (q.narrow(1, 8, 256), q.t(), torch.empty(N, 520, device="cuda",
                                                               dtype=torch.float8_e4m3fn).narrow(1, 0, 512)):
             assert _k_major(unfit).stride() == (unfit.shape[1], 1)
+        # the output a GEMM writes into must be its product's shape
+        e4m3, fp32 = dict(device="cuda", dtype=torch.float8_e4m3fn), dict(device="cuda", dtype=torch.float32)
+        a_q, a_s = torch.empty(256, K, **e4m3), torch.empty(256, K // 128, **fp32)
+        w_q, w_s = torch.empty(N, K, **e4m3), torch.empty(N // 128, K // 128, **fp32)
+        with pytest.raises(RuntimeError, match="the product is"):
+            scaled_gemms._blockwise_into_checked(torch.empty(128, N, **bf16), a_q, a_s, w_q, w_s, True)
+
 
 def _expand(scale: torch.Tensor, rows: int, cols: int, tile_rows: int, tile_cols: int) -> torch.Tensor:
     return scale.repeat_interleave(tile_rows, 0)[:rows].repeat_interleave(tile_cols, 1)[:, :cols]
