@@ -858,6 +858,17 @@ def _reference_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtyp
     return (a_hp @ b_hp).to(output_dtype)
 
 
+def _reference_scaled_mm_v2(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias, out_dtype,
+                            contraction_dim=(), use_fast_accum=False, *, out=None):
+    """`_reference_scaled_mm` through the op F.scaled_mm calls (scales and recipes as lists), with its out=."""
+    import torch.nn.functional as F
+
+    assert not swizzle_a and not swizzle_b and bias is None and out is not None
+    got = _reference_scaled_mm(a, b, scale_a[0], F.ScalingType(recipe_a[0]), scale_b[0], F.ScalingType(recipe_b[0]),
+                               out_dtype)
+    return out.copy_(got)
+
+
 def _reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
     """What torch._scaled_grouped_mm computes with rowwise scales: 2D x 3D (a [P, K] scales [P]; b [E, K, N] scales
     [E, N]) or 2D x 2D over groups of the contraction (a [N, P] scales [E * N], b [P, K] scales [E * K])."""
@@ -883,6 +894,7 @@ def test_real_kernel_paths_against_the_emulation_with_reference_gemms(monkeypatc
     from quantization.fp8.kernels import SCALED_MM_BLOCKS, SCALED_MM_TILES, LinearKernels
 
     monkeypatch.setattr(F, "scaled_mm", _reference_scaled_mm)
+    monkeypatch.setattr(torch, "_scaled_mm_v2", _reference_scaled_mm_v2)  # the per-expert GEMMs' out= form
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _reference_scaled_grouped_mm)
     gen = torch.Generator().manual_seed(6)
     if kernel == "linear":
