@@ -36,6 +36,11 @@ def pytest_configure(config):
                               os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
     except (KeyError, OSError):
         pass
+    # pytest-xdist workers (run_tests.sh runs two) share the cores: one thread each, in-process and in the
+    # processes a test starts, or OpenMP's spinning threads of the two slow each other tenfold
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     config._session_tmp = tempfile.mkdtemp(prefix="trainer-tests-")
     os.environ["TMPDIR"] = config._session_tmp
     tempfile.tempdir = None
