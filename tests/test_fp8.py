@@ -784,7 +784,6 @@ def test_real_kernel_layouts_pass_torchs_checks():
         assert _scaled_blockwise(q, a_s, wq, w_s, True, torch.bfloat16).shape == (M, N)
 
 
-
 def test_per_expert_gemms_write_one_output_from_uncopied_operands(monkeypatch):
     """The blockwise per-expert GEMMs, on fake CUDA tensors: no e4m3 operand is copied and no output concatenated.
     The weight gradient contracts over each expert's tokens, so its operands are column slices of dY^T [N, P] and
