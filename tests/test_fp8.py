@@ -110,6 +110,34 @@ def test_power_of_two_scales_from_the_bits_match_their_definition():
     assert torch.equal(inverse.double(), 1 / want)
 
 
+
+def test_e4m3_decoding_and_the_quantise_dequantise_give_torchs_values():
+    """`e4m3_to` (integer ops to fp16 on CPU) against torch's own conversion for all 256 codes, bit for bit (signed
+    zeros, subnormals, both NaNs); and the emulation's quantise-dequantise against torch's conversion of `quantize`'s
+    e4m3 values times their scales, on values with zeros, subnormal results, an infinity and a NaN."""
+    from quantization.fp8.quantize import E4M3, e4m3_to, qdq_activation, qdq_weight
+
+    codes = torch.arange(256, dtype=torch.uint8).view(E4M3)
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        want, got = codes.to(dtype), e4m3_to(codes, dtype)
+        nan = want.isnan()
+        assert nan.sum() == 2 and torch.equal(got.isnan(), nan)
+        assert torch.equal(got[~nan].view(bits), want[~nan].view(bits))
+
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(256, 384, generator=gen) * 10.0 ** torch.randint(-8, 8, (256, 1), generator=gen)
+    t[0, :130] = 0.0
+    t[1, 5] = 1e5  # the other values of its tile fall to e4m3 subnormals and zero
+    t[2, 7], t[3, 9] = float("inf"), float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        for tiles, got in (((1, 128), qdq_activation(t, "blockwise", dtype)),
+                           ((128, 128), qdq_weight(t, "blockwise", dtype)),
+                           ((1, 384), qdq_activation(t, "rowwise", dtype))):
+            q, scale = quantize(t, *tiles)
+            want = (q.float().view(-1, tiles[0], 384 // tiles[1], tiles[1]) * scale[:, None, :, None]).view(t.shape)
+            assert torch.equal(got.isnan(), want.isnan()), (dtype, tiles)
+            assert torch.equal(got.nan_to_num(), want.to(dtype).nan_to_num()), (dtype, tiles)
+
 def test_round_trip_error_bound_on_random_values():
     """Arbitrary values: every element within the per-element bound 2^-4 |t| + 2^-10 s."""
     t = torch.randn(256, 512, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 512)

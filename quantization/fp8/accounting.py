@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 
 from core.names import denotes
 from quantization.fp8.config import Fp8Selection
-from quantization.fp8.quantize import QDQ_WORK_BYTES
+from quantization.fp8.quantize import qdq_work_bytes
 
 __all__ = ["fp8_flops_per_token", "fp8_operand_elements", "gemm_backward_extra_bytes"]
 
@@ -22,11 +22,11 @@ def gemm_backward_extra_bytes(recipe: str, rows: int, in_features: int, out_feat
     x [rows, in], W [out, in] (a linear, `experts` = 0) or [experts, out, in] (grouped), dY [rows, out], in the
     compute dtype of `act_bytes` per element. The peak is the largest of the backward's phases, in the order
     `gemms._Fp8LinearFn.backward` / `gemms._Fp8GroupedMMFn.backward` run them: each quantise-dequantise of an operand peaks at
-    `QDQ_WORK_BYTES` per element (its result included), while the copies made before it are still held. Measured
+    `qdq_work_bytes` per element (its result included), while the copies made before it are still held. Measured
     against the exact tracker within 1% (docs/fp8.md, "Memory"). Rowwise linears are torchao's; they are planned
     as ours.
     """
-    a, qdq = act_bytes, QDQ_WORK_BYTES
+    a, qdq = act_bytes, qdq_work_bytes(act_bytes)
     x, dy = rows * in_features, rows * out_features
     w = max(experts, 1) * in_features * out_features
     if not experts:
