@@ -110,11 +110,11 @@ def test_power_of_two_scales_from_the_bits_match_their_definition():
     assert torch.equal(inverse.double(), 1 / want)
 
 
-
 def test_e4m3_decoding_and_the_quantise_dequantise_give_torchs_values():
-    """`e4m3_to` (integer ops to fp16 on CPU) against torch's own conversion for all 256 codes, bit for bit (signed
-    zeros, subnormals, both NaNs); and the emulation's quantise-dequantise against torch's conversion of `quantize`'s
-    e4m3 values times their scales, on values with zeros, subnormal results, an infinity and a NaN."""
+    """`e4m3_to` (integer ops to fp16 on CPU) against torch's own conversion for all 256 codes: bit for bit for
+    every number (signed zeros, subnormals), NaN for both NaN codes; and the emulation's quantise-dequantise against
+    torch's conversion of `quantize`'s e4m3 values times their scales, on values with zeros, subnormal results, an
+    infinity and a NaN."""
     from quantization.fp8.quantize import E4M3, e4m3_to, qdq_activation, qdq_weight
 
     codes = torch.arange(256, dtype=torch.uint8).view(E4M3)
