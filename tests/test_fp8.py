@@ -138,6 +138,7 @@ def test_e4m3_decoding_and_the_quantise_dequantise_give_torchs_values():
             assert torch.equal(got.isnan(), want.isnan()), (dtype, tiles)
             assert torch.equal(got.nan_to_num(), want.to(dtype).nan_to_num()), (dtype, tiles)
 
+
 def test_round_trip_error_bound_on_random_values():
     """Arbitrary values: every element within the per-element bound 2^-4 |t| + 2^-10 s."""
     t = torch.randn(256, 512, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 512)

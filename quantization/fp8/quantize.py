@@ -14,9 +14,9 @@ import torch
 
 from core.quantization import FP8_TILE
 
-__all__ = ["BLOCK", "E4M3", "E4M3_MAX", "ROWWISE_ALIGN", "dequantize",
-           "dequantize_row_segments", "e4m3_to", "qdq_activation", "qdq_weight", "quantize", "quantize_row_segments",
-           "quantize_tiles", "qdq_work_bytes", "row_major"]
+__all__ = ["BLOCK", "E4M3", "E4M3_MAX", "ROWWISE_ALIGN", "dequantize", "dequantize_row_segments", "e4m3_to",
+           "qdq_activation", "qdq_weight", "qdq_work_bytes", "quantize", "quantize_row_segments", "quantize_tiles",
+           "row_major"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
