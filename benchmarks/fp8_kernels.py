@@ -215,7 +215,7 @@ def _kernel_candidates() -> dict:
     import torch.nn.functional as F
 
     from quantization.fp8.quantize import BLOCK, quantize_tiles
-    from quantization.fp8.scaled_gemms import _scaled_blockwise
+    from quantization.fp8.scaled_gemms import _mm_scales, _scaled_blockwise
 
     def tensorwise(x, w):
         sx, sw = (t.abs().amax().float() / 448 for t in (x, w))
@@ -229,7 +229,7 @@ def _kernel_candidates() -> dict:
         def prepare(x, w):
             qx, sx = quantize_tiles(x, 1, BLOCK)
             qw, sw = quantize_tiles(w, BLOCK, BLOCK) if b_blocks else quantize_tiles(w, 1, BLOCK)
-            return qx, sx, qw, sw
+            return (qx, qw, *_mm_scales(sx, sw, b_blocks))
         return prepare
 
     return {
@@ -238,9 +238,9 @@ def _kernel_candidates() -> dict:
             qx, qw.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)),
         "torch._scaled_mm rowwise": (rowwise, lambda qx, qw, sx, sw: torch._scaled_mm(
             qx, qw.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)),
-        "F.scaled_mm 1x128 x 128x128": (blockwise(True), lambda qx, sx, qw, sw: _scaled_blockwise(
+        "F.scaled_mm 1x128 x 128x128": (blockwise(True), lambda qx, qw, sx, sw: _scaled_blockwise(
             qx, sx, qw, sw, True, torch.bfloat16)),
-        "F.scaled_mm 1x128 x 1x128": (blockwise(False), lambda qx, sx, qw, sw: _scaled_blockwise(
+        "F.scaled_mm 1x128 x 1x128": (blockwise(False), lambda qx, qw, sx, sw: _scaled_blockwise(
             qx, sx, qw, sw, False, torch.bfloat16)),
     } if hasattr(F, "scaled_mm") else {}
 

@@ -10,6 +10,7 @@ elements average out: the normwise relative error of a GEMM of random operands s
 operand (about 0.04 for both), whatever K, far below the elementwise worst case.
 """
 
+import collections
 import json
 import math
 
@@ -738,7 +739,7 @@ def test_per_expert_experts_read_the_group_ends_once_per_forward_and_backward(mo
     from models.deepseek_v3.moe import _swiglu_quantized
     from quantization.fp8.kernels import Platform
 
-    def on_cpu(a, b, ends, gemm):  # the per-expert GEMMs' shapes, from what the CPU computes, using the ends
+    def on_cpu(a, b, offs, ends, gemm):  # the per-expert GEMMs' shapes, from what the CPU computes, using the ends
         assert ends.device.type == "cpu"
         used = (ends[-1] > 0).to(a.dtype)
         if gemm == "wgrad":
@@ -775,7 +776,7 @@ def test_real_kernel_layouts_pass_torchs_checks():
     is refused here too."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from quantization.fp8.scaled_gemms import (_scaled_blockwise, blockwise_grouped, blockwise_mm,
+    from quantization.fp8.scaled_gemms import (_mm_scales, _scaled_blockwise, blockwise_grouped, blockwise_mm,
                                                per_expert_blockwise, rowwise_grouped_mm, rowwise_grouped_wgrad)
 
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
@@ -792,13 +793,13 @@ def test_real_kernel_layouts_pass_torchs_checks():
         seg = torch.empty(P, device="cuda", dtype=torch.int64)
         assert rowwise_grouped_wgrad(dyg, xg, offs, seg).shape == (E, N, K)
         ends = [256, 256, 512]  # an empty expert, then rows past the last group
-        assert per_expert_blockwise(xg, wg, ends, "fwd").shape == (P, N)
-        assert per_expert_blockwise(dyg, wg, ends, "dgrad").shape == (P, K)
-        assert per_expert_blockwise(dyg, xg, ends, "wgrad").shape == (E, N, K)
+        assert per_expert_blockwise(xg, wg, offs, ends, "fwd").shape == (P, N)
+        assert per_expert_blockwise(dyg, wg, offs, ends, "dgrad").shape == (P, K)
+        assert per_expert_blockwise(dyg, xg, offs, ends, "wgrad").shape == (E, N, K)
         # the custom op that the model calls, through its fake kernel
-        assert blockwise_grouped(xg, wg, offs, "fwd").shape == (P, N)
-        assert blockwise_grouped(dyg, wg, offs, "dgrad").shape == (P, K)
-        assert blockwise_grouped(dyg, xg, offs, "wgrad").shape == (E, N, K)
+        assert blockwise_grouped(xg, wg, offs, offs, "fwd").shape == (P, N)
+        assert blockwise_grouped(dyg, wg, offs, offs, "dgrad").shape == (P, K)
+        assert blockwise_grouped(dyg, xg, offs, offs, "wgrad").shape == (E, N, K)
         # a row count that is not a multiple of 128 (the emulation's case): padded inside the quantisation
         q300, s300 = quantize_row_segments(torch.empty(300, K, **bf16), torch.empty(300, device="cuda",
                                                                                    dtype=torch.int64), E + 1)
@@ -810,21 +811,24 @@ def test_real_kernel_layouts_pass_torchs_checks():
         with pytest.raises(RuntimeError, match="scale b must have shape"):
             F.scaled_mm(q, wq.t(), a_s.t().clone().t(), F.ScalingType.BlockWise1x128, w_s.t(),
                         F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+        a_s, w_s = _mm_scales(a_s, w_s, True)
         assert _scaled_blockwise(q, a_s, wq, w_s, True, torch.bfloat16).shape == (M, N)
 
 
-def test_per_expert_gemms_write_one_output_from_uncopied_operands(monkeypatch):
-    """The blockwise per-expert GEMMs, on fake CUDA tensors: no e4m3 operand is copied and no output concatenated.
-    The weight gradient contracts over each expert's tokens, so its operands are column slices of dY^T [N, P] and
-    x^T [K, P], which torch's scaled_mm takes with their leading stride (copying them took 8.3 ms of a 285 ms step
-    on an H200); each GEMM writes its rows of the one output (the 18 concatenations took 5.0 ms there). A slice
-    cuBLASLt could not take (start or leading stride not a multiple of 16 bytes, K not unit-stride) is copied to
-    row-major."""
+def test_per_expert_gemms_take_views_and_write_one_output(monkeypatch):
+    """The blockwise per-expert GEMMs, on fake CUDA tensors: each group's GEMM is one scaled_mm on views, writing
+    its rows of one output, and nothing else runs per group. No e4m3 operand is copied: the weight gradient
+    contracts over each expert's tokens, so its operands are column slices of dY^T [N, P] and x^T [K, P], which
+    torch's scaled_mm takes with their leading stride (copying them took 8.3 ms of a 285 ms step on an H200). No
+    scale is copied or padded per group: `quantize_per_expert` lays them out for every group at once (before, each
+    GEMM copied its activation scales to column-major and padded its weight blocks, 2 small kernels per GEMM). No
+    output is concatenated (the 18 concatenations took 5.0 ms there). A slice cuBLASLt could not take (start or
+    leading stride not a multiple of 16 bytes, K not unit-stride) is copied to row-major."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from quantization.fp8 import scaled_gemms
-    from quantization.fp8.scaled_gemms import _k_major, per_expert_blockwise
+    from quantization.fp8.scaled_gemms import _k_major, _per_expert, quantize_per_expert
 
     # the custom op's own ops run under the fake mode alone: its fake kernel, called directly, passes the counter
     monkeypatch.setattr(scaled_gemms, "_scaled_blockwise_into", scaled_gemms._blockwise_into_checked)
@@ -832,26 +836,26 @@ def test_per_expert_gemms_write_one_output_from_uncopied_operands(monkeypatch):
     class Counted(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.fp8_copies, self.gemms, self.concatenations = 0, 0, 0
+            self.ops = collections.Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.gemms += func is torch.ops.aten._scaled_mm_v2.default
-            self.concatenations += func in (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
-            if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default,
-                        torch.ops.aten._to_copy.default) and args[-1].dtype == torch.float8_e4m3fn:
-                self.fp8_copies += 1
+            if not func.is_view and func is not torch.ops.prim.device.default:
+                self.ops[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
 
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     with FakeTensorMode(allow_non_fake_inputs=True):
         E, P, K, N = 4, 1024, 512, 384
         xg, wg, dyg = torch.empty(P, K, **bf16), torch.empty(E, N, K, **bf16), torch.empty(P, N, **bf16)
+        offs = torch.empty(E, device="cuda", dtype=torch.int32)
         ends = [256, 256, 768, 896]  # an empty expert, experts starting inside the tensor, rows past the last
-        with Counted() as counted:
-            assert per_expert_blockwise(xg, wg, ends, "fwd").shape == (P, N)
-            assert per_expert_blockwise(dyg, wg, ends, "dgrad").shape == (P, K)
-            assert per_expert_blockwise(dyg, xg, ends, "wgrad").shape == (E, N, K)
-        assert (counted.fp8_copies, counted.concatenations, counted.gemms) == (0, 0, 3 * 3)  # 3 non-empty groups
+        shapes = {"fwd": (P, N), "dgrad": (P, K), "wgrad": (E, N, K)}
+        for gemm, a, b in (("fwd", xg, wg), ("dgrad", dyg, wg), ("wgrad", dyg, xg)):
+            operands = quantize_per_expert(a, b, offs, gemm)
+            with Counted() as counted:
+                assert _per_expert(*operands, ends, gemm, torch.bfloat16).shape == shapes[gemm]
+            # 3 non-empty groups; zeroed: the rows past the last group, or the empty expert's weight gradient
+            assert counted.ops == {"new_empty": 1, "_scaled_mm_v2": 3, "zero_": 1}, (gemm, counted.ops)
         q = torch.empty(N, P, device="cuda", dtype=torch.float8_e4m3fn)
         view = q.narrow(1, 256, 512)
         assert _k_major(view) is view
@@ -862,8 +866,26 @@ def test_per_expert_gemms_write_one_output_from_uncopied_operands(monkeypatch):
         e4m3, fp32 = dict(device="cuda", dtype=torch.float8_e4m3fn), dict(device="cuda", dtype=torch.float32)
         a_q, a_s = torch.empty(256, K, **e4m3), torch.empty(256, K // 128, **fp32)
         w_q, w_s = torch.empty(N, K, **e4m3), torch.empty(N // 128, K // 128, **fp32)
+        a_s, w_s = scaled_gemms._mm_scales(a_s, w_s, True)
         with pytest.raises(RuntimeError, match="the product is"):
             scaled_gemms._blockwise_into_checked(torch.empty(128, N, **bf16), a_q, a_s, w_q, w_s, True)
+
+
+def test_grouped_scales_give_each_group_its_column_major_block():
+    """`_grouped_col_major` lays a grouped operand's 1 x 128 scales out so that every group's (and the rows past the
+    last group's) [n, X] scales are a view with the strides scaled_mm takes, (1, n), holding that group's values:
+    empty experts, one group, a group of one tile, groups ending before the last row."""
+    from quantization.fp8.scaled_gemms import _group_scales, _grouped_col_major
+
+    P, X = 1024, 5
+    scale = torch.randn(P, X)
+    for ends in ([256, 256, 768, 896], [1024], [0, 128, 1024], [128, 256, 384]):
+        flat = _grouped_col_major(scale, torch.tensor(ends, dtype=torch.int32))
+        assert flat.shape == (P * X,)
+        for start, end in zip([0] + ends, ends + [P]):
+            if end > start:
+                group = _group_scales(flat, start, end - start, X)
+                assert torch.equal(group, scale[start:end]) and group.stride() == (1, end - start), (ends, start)
 
 
 def _expand(scale: torch.Tensor, rows: int, cols: int, tile_rows: int, tile_cols: int) -> torch.Tensor:

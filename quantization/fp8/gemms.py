@@ -147,7 +147,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
         if kernel == ROWWISE_GROUPED:
             y = rowwise_grouped_mm(x_PK, w_ENK, offs_E)
         elif kernel == PER_EXPERT:
-            y = blockwise_grouped(x_PK, w_ENK, ends_E, "fwd")
+            y = blockwise_grouped(x_PK, w_ENK, offs_E, ends_E, "fwd")
         else:
             y = torch._grouped_mm(qdq_activation(x_PK, recipe, dtype),
                                   qdq_weight(w_ENK, recipe, dtype).transpose(-2, -1), offs=offs_E)
@@ -162,8 +162,8 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
             dx = rowwise_grouped_mm(dy_PN, w_ENK.transpose(-2, -1), offs_E)
             dw = rowwise_grouped_wgrad(dy_PN, x_PK, offs_E, _segments(x_PK.shape[0], offs_E))
         elif kernel == PER_EXPERT:
-            dx = blockwise_grouped(dy_PN, w_ENK, ends_E, "dgrad")
-            dw = blockwise_grouped(dy_PN, x_PK, ends_E, "wgrad")
+            dx = blockwise_grouped(dy_PN, w_ENK, offs_E, ends_E, "dgrad")
+            dw = blockwise_grouped(dy_PN, x_PK, offs_E, ends_E, "wgrad")
         else:
             # dgrad contracts over N: W^T [E, K, N] is quantised along N (the same blocks as W for blockwise)
             w_EKN = qdq_weight(w_ENK.transpose(-2, -1), recipe, dtype)

@@ -8,6 +8,10 @@ torch.nn.functional.scaled_mm, blockwise (the layouts of torch's checks, `_meta_
     b as mat2 [K, N] column-major (b stored [N, K], K last):
         128 x 128 blocks: scale [L4, N/128], strides (1, L4), L4 = K/128 rounded up to a multiple of 4 (padding 1s)
         1 x 128 tiles along K: scale [N, K/128], column-major (strides (1, N))
+The scales are laid out so before the opaque GEMM ops (`_mm_scales`, `_grouped_col_major`, `_padded_blocks`), in
+the code torch.compile generates with their quantisation; inside the ops every operand and scale, each expert's
+included, is a view. (Before, each per-expert GEMM copied its scales into these layouts itself: 2 small kernels
+per GEMM, 576 a step at the 671B benchmark's shapes, each launched from Python in the per-expert loop.)
 torch._scaled_grouped_mm, rowwise: a [P, K] row-major with one scale per row ([P]); b as [E, K, N] column-major in
     its last two dims with one scale per expert and output column ([E, N]); the weight gradient's 2D x 2D form
     (groups along the contraction) takes one scale per row and group, group-major ([E * rows]).
@@ -52,21 +56,52 @@ def _k_major(t: torch.Tensor) -> torch.Tensor:
     return row_major(t)
 
 
+def _padded_blocks(scale: torch.Tensor) -> torch.Tensor:
+    """128 x 128 block scales [..., N/128, K/128] padded with ones to [..., N/128, L4] (L4: K/128 rounded up to a
+    multiple of 4), contiguous: each [N/128, L4] matrix, transposed, is the layout scaled_mm takes (strides
+    (1, L4)); a stack of experts' is padded at once."""
+    pad = -scale.shape[-1] % 4
+    return F.pad(scale, (0, pad), value=1.0) if pad else row_major(scale)
+
+
+def _mm_scales(a_s: torch.Tensor, b_s: torch.Tensor, b_blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_tiles`' scales of a (1 x 128 tiles) and b (128 x 128 blocks, or 1 x 128 tiles) in the layouts
+    `_blockwise_operands` passes on as views: a's column-major; b's padded blocks or column-major."""
+    return _col_major(a_s), (_padded_blocks(b_s) if b_blocks else _col_major(b_s))
+
+
+def _grouped_col_major(scale_PX: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """The 1 x 128 scales [P, X] of a grouped operand as one flat buffer [P * X] in which each group's rows [s, s + n)
+    (the groups end at offs_E, on the device; the rows past the last group are one more) hold their [n, X] scales
+    column-major from s * X on: `_group_scales` takes each expert's as a view in the layout scaled_mm wants
+    (strides (1, n)). One scatter for every group, without reading the offsets on the host."""
+    P, X = scale_PX.shape
+    ends = torch.cat([offs_E.to(torch.int64), offs_E.new_full((1,), P, dtype=torch.int64)])
+    starts = torch.cat([ends.new_zeros(1), ends.narrow(0, 0, ends.shape[0] - 1)])
+    row = torch.arange(P, device=scale_PX.device)
+    group = torch.bucketize(row, ends, right=True)
+    start, count = starts.index_select(0, group), (ends - starts).index_select(0, group)
+    # row i of its group, column j: at s X + j n + i
+    dest_PX = (start * (X - 1) + row).unsqueeze(1) + torch.arange(X, device=row.device) * count.unsqueeze(1)
+    return scale_PX.new_empty(P * X).index_copy_(0, dest_PX.view(-1), scale_PX.reshape(-1))
+
+
+def _group_scales(flat: torch.Tensor, start: int, rows: int, cols: int) -> torch.Tensor:
+    """The [rows, cols] column-major scales of the group starting at row `start` in `_grouped_col_major`'s buffer."""
+    return flat.narrow(0, start * cols, rows * cols).view(cols, rows).t()
+
+
 def _blockwise_operands(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, b_blocks: bool
                         ) -> tuple:
     """scaled_mm's (mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b) for a_q [M, K] @ b_q [N, K]^T from e4m3
-    operands and their scales (a: 1 x 128 tiles [M, K/128]; b: 128 x 128 blocks [N/128, K/128] or 1 x 128 tiles
-    [N, K/128]), both quantised along K, K-major (`_k_major`): the weight gradient's per-expert column slices go in
-    as views (on an H200 copying them took 8.3 ms of a 285 ms step)."""
+    operands, both quantised along K, and their scales laid out as `_mm_scales` does (a: [M, K/128]
+    column-major; b: 128 x 128 blocks [N/128, L4] or 1 x 128 tiles [N, K/128] column-major): views only. The
+    operands go in K-major (`_k_major`): the weight gradient's per-expert column slices as views (on an H200
+    copying them took 8.3 ms of a 285 ms step)."""
     a_q, b_q = _k_major(a_q), _k_major(b_q)
     ScalingType = F.ScalingType
-    if b_blocks:
-        k_blocks = b_s.shape[1]
-        b_scale = F.pad(b_s, (0, -k_blocks % 4), value=1.0).t()  # [L4, N/128], strides (1, L4)
-        b_recipe = ScalingType.BlockWise128x128
-    else:
-        b_scale, b_recipe = _col_major(b_s), ScalingType.BlockWise1x128
-    return a_q, b_q.t(), _col_major(a_s), ScalingType.BlockWise1x128, b_scale, b_recipe
+    b_scale, b_recipe = (b_s.t(), ScalingType.BlockWise128x128) if b_blocks else (b_s, ScalingType.BlockWise1x128)
+    return a_q, b_q.t(), a_s, ScalingType.BlockWise1x128, b_scale, b_recipe
 
 
 def _blockwise_scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, b_blocks: bool,
@@ -111,6 +146,7 @@ def blockwise_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, b_blocks: bool) -> torc
     tiles along K. All dims multiples of 128."""
     a_q, a_s = quantize_tiles(a_MK, 1, BLOCK)
     b_q, b_s = quantize_tiles(b_NK, BLOCK, BLOCK) if b_blocks else quantize_tiles(b_NK, 1, BLOCK)
+    a_s, b_s = _mm_scales(a_s, b_s, b_blocks)
     return _scaled_blockwise(a_q, a_s, b_q, b_s, b_blocks, a_MK.dtype)
 
 
@@ -138,16 +174,19 @@ def rowwise_grouped_wgrad(dy_PN: torch.Tensor, x_PK: torch.Tensor, offs_E: torch
 def _per_expert(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, ends: list[int],
                 gemm: str, out_dtype: torch.dtype) -> torch.Tensor:
     """One blockwise scaled_mm per non-empty group, for the group ends `ends` (host ints, multiples of 128), on
-    e4m3 operands and their scales (`quantize_per_expert`):
+    e4m3 operands and their scales as `quantize_per_expert` lays them out:
 
         fwd    a = x [P, K] (1 x 128),  b = W [E, N, K] (128 x 128)    -> [P, N]
         dgrad  a = dY [P, N] (1 x 128), b = W^T [E, K, N] (128 x 128)  -> [P, K]
         wgrad  a = dY^T [N, P], b = x^T [K, P] (1 x 128 along the rows) -> [E, N, K]
 
     Each group's GEMM writes its rows (its [N, K] slab for wgrad) of one output (`_scaled_blockwise_into`); rows
-    past the last group and the weight gradients of empty groups are zeroed. The weight gradient's operands are
-    column slices of the [N, P] and [K, P] e4m3 tensors, taken as views (`_k_major`): group starts are multiples of
-    128. (Slices by `narrow` and `select`: the fake CUDA tensors of the CPU layout tests support these.)"""
+    past the last group and the weight gradients of empty groups are zeroed. Every operand and scale of a group's
+    GEMM is a view: the weight gradient's operands are column slices of the [N, P] and [K, P] e4m3 tensors
+    (`_k_major`; group starts are multiples of 128) and their scales column slices of column-major ones; the
+    forward's and dgrad's scales are the groups' column-major blocks (`_group_scales`) and each expert's padded
+    weight blocks. (Slices by `narrow`, `view` and `select`: the fake CUDA tensors of the CPU layout tests support
+    these.)"""
     groups = [(s, t - s) for s, t in zip([0] + ends[:-1], ends)]
     if gemm == "wgrad":
         out = a_q.new_empty(len(groups), a_q.shape[0], b_q.shape[0], dtype=out_dtype)
@@ -159,10 +198,11 @@ def _per_expert(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: to
                 out.select(0, e).zero_()
         return out
     out = a_q.new_empty(a_q.shape[0], b_q.shape[1], dtype=out_dtype)
+    tiles = a_q.shape[1] // BLOCK
     for e, (s, n) in enumerate(groups):
         if n:
-            _scaled_blockwise_into(out.narrow(0, s, n), a_q.narrow(0, s, n), a_s.narrow(0, s, n), b_q.select(0, e),
-                                   b_s.select(0, e), True)
+            _scaled_blockwise_into(out.narrow(0, s, n), a_q.narrow(0, s, n), _group_scales(a_s, s, n, tiles),
+                                   b_q.select(0, e), b_s.select(0, e), True)
     out.narrow(0, ends[-1], a_q.shape[0] - ends[-1]).zero_()
     return out
 
@@ -183,30 +223,38 @@ def _(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor
     return a_q.new_empty(a_q.shape[0], b_q.shape[1], dtype=out_dtype)
 
 
-def quantize_per_expert(a: torch.Tensor, b: torch.Tensor, gemm: str
+def quantize_per_expert(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, gemm: str
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The e4m3 operands and scales of `_per_expert`'s `gemm` from a [P, X] and b (W [E, N, K] for fwd and dgrad,
-    x [P, K] for wgrad). Outside the custom op, so that torch.compile fuses the quantisation with its neighbours
-    (inside it, every tile maximum, product and cast ran as its own eager kernel: a third of the blockwise FP8 step
-    at the 671B shapes on an H200). The weight gradient quantises the whole 128-row tiles of a and b, which hold
-    every group (groups end on multiples of 128); the tiles past the last group are their own and go unused."""
+    """The e4m3 operands of `_per_expert`'s `gemm` from a [P, X] and b (W [E, N, K] for fwd and dgrad, x [P, K] for
+    wgrad), with their scales laid out for its per-expert views: a's 1 x 128 scales in column-major blocks per group
+    (`_grouped_col_major`, from the group ends offs_E on the device) and the weights' 128 x 128 ones padded per
+    expert (fwd, dgrad); the weight gradient's two 1 x 128 scales column-major. Outside the custom op, so that
+    torch.compile fuses the quantisation and the layouts with their neighbours (inside it, every tile maximum,
+    product and cast ran as its own eager kernel: a third of the blockwise FP8 step at the 671B shapes on an H200).
+    The weight gradient quantises the whole 128-row tiles of a and b, which hold every group (groups end on
+    multiples of 128); the tiles past the last group are their own and go unused."""
     if gemm == "wgrad":
         rows = a.shape[0] - a.shape[0] % BLOCK
-        return (*quantize_tiles(a.narrow(0, 0, rows).t(), 1, BLOCK),
-                *quantize_tiles(b.narrow(0, 0, rows).t(), 1, BLOCK))
+        (a_q, a_s), (b_q, b_s) = (quantize_tiles(t.narrow(0, 0, rows).t(), 1, BLOCK) for t in (a, b))
+        return a_q, _col_major(a_s), b_q, _col_major(b_s)
     E = b.shape[0]
     w = b if gemm == "fwd" else b.transpose(-2, -1)  # the second operand with its K last
     rows, cols = w.shape[1:]
     w_q, w_s = quantize_tiles(w.reshape(E * rows, cols), BLOCK, BLOCK)
-    return (*quantize_tiles(a, 1, BLOCK), w_q.view(E, rows, cols), w_s.view(E, rows // BLOCK, cols // BLOCK))
+    a_q, a_s = quantize_tiles(a, 1, BLOCK)
+    return (a_q, _grouped_col_major(a_s, offs_E), w_q.view(E, rows, cols),
+            _padded_blocks(w_s.view(E, rows // BLOCK, cols // BLOCK)))
 
 
-def blockwise_grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, gemm: str) -> torch.Tensor:
-    """The blockwise grouped experts' `gemm` (fwd, dgrad or wgrad, `_per_expert`) on one scaled_mm per expert."""
-    return _per_expert_op(*quantize_per_expert(a, b, gemm), offs_E, gemm, a.dtype)
+def blockwise_grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, host_offs_E: torch.Tensor,
+                      gemm: str) -> torch.Tensor:
+    """The blockwise grouped experts' `gemm` (fwd, dgrad or wgrad, `_per_expert`) on one scaled_mm per expert: the
+    group ends offs_E on the device lay out the scales, their copy on the host (`host_offs_E`) slices the groups."""
+    return _per_expert_op(*quantize_per_expert(a, b, offs_E, gemm), host_offs_E, gemm, a.dtype)
 
 
-def per_expert_blockwise(a: torch.Tensor, b: torch.Tensor, ends: list[int], gemm: str) -> torch.Tensor:
-    """`blockwise_grouped` with the group ends given as host ints (no custom op: the CPU layout tests run it on
+def per_expert_blockwise(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, ends: list[int], gemm: str
+                         ) -> torch.Tensor:
+    """`blockwise_grouped` with the group ends also given as host ints (no custom op: the CPU layout tests run it on
     fake CUDA tensors)."""
-    return _per_expert(*quantize_per_expert(a, b, gemm), ends, gemm, a.dtype)
+    return _per_expert(*quantize_per_expert(a, b, offs_E, gemm), ends, gemm, a.dtype)
