@@ -815,7 +815,7 @@ def test_real_kernel_layouts_pass_torchs_checks():
         assert _scaled_blockwise(q, a_s, wq, w_s, True, torch.bfloat16).shape == (M, N)
 
 
-def test_per_expert_gemms_take_views_and_write_one_output(monkeypatch):
+def test_per_expert_gemms_take_views_and_write_one_output():
     """The blockwise per-expert GEMMs, on fake CUDA tensors: each group's GEMM is one scaled_mm on views, writing
     its rows of one output, and nothing else runs per group. No e4m3 operand is copied: the weight gradient
     contracts over each expert's tokens, so its operands are column slices of dY^T [N, P] and x^T [K, P], which
@@ -830,8 +830,7 @@ def test_per_expert_gemms_take_views_and_write_one_output(monkeypatch):
     from quantization.fp8 import scaled_gemms
     from quantization.fp8.scaled_gemms import _k_major, _per_expert, quantize_per_expert
 
-    # the custom op's own ops run under the fake mode alone: its fake kernel, called directly, passes the counter
-    monkeypatch.setattr(scaled_gemms, "_scaled_blockwise_into", scaled_gemms._blockwise_into_checked)
+    into = scaled_gemms._blockwise_into_checked  # each GEMM as torch's checks of it on fake tensors
 
     class Counted(TorchDispatchMode):
         def __init__(self):
@@ -853,7 +852,7 @@ def test_per_expert_gemms_take_views_and_write_one_output(monkeypatch):
         for gemm, a, b in (("fwd", xg, wg), ("dgrad", dyg, wg), ("wgrad", dyg, xg)):
             operands = quantize_per_expert(a, b, offs, gemm)
             with Counted() as counted:
-                assert _per_expert(*operands, ends, gemm, torch.bfloat16).shape == shapes[gemm]
+                assert _per_expert(*operands, ends, gemm, torch.bfloat16, into).shape == shapes[gemm]
             # 3 non-empty groups; zeroed: the rows past the last group, or the empty expert's weight gradient
             assert counted.ops == {"new_empty": 1, "_scaled_mm_v2": 3, "zero_": 1}, (gemm, counted.ops)
         q = torch.empty(N, P, device="cuda", dtype=torch.float8_e4m3fn)
@@ -1149,3 +1148,15 @@ def test_fp8_traffic_benchmark_counts_the_generated_kernels_only(monkeypatch):
     assert all(k["bytes"] > 0 and k["writes"] for k in kernels)
     weight_bytes = 2 * 128 * 256 * 4  # one float32 master weight read whole
     assert any(k["bytes"] >= weight_bytes and any(r.startswith("primals") for r in k["reads"]) for k in kernels)
+
+
+def test_per_expert_host_time_benchmark_smoke(capsys):
+    """benchmarks/per_expert_host_time.py runs the per-expert loop on CPU with the GEMM a no-op, reports a time per
+    expert GEMM, and gives torch its real `_scaled_mm_v2` back."""
+    import benchmarks.per_expert_host_time as bench
+
+    real = torch._scaled_mm_v2
+    report = bench.main(["--experts", "2", "--repeats", "2", "--loops", "1"])
+    assert torch._scaled_mm_v2 is real
+    assert report["us_per_expert_gemm"] > 0 and len(report["repeats_us"]) == 2
+    assert json.loads(capsys.readouterr().out)["config"]["experts"] == 2

@@ -120,21 +120,22 @@ def _scaled_blockwise(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b
 _scaled_blockwise.register_fake(_blockwise_scaled_mm)
 
 
-@torch.library.custom_op("dsv3_fp8::scaled_mm_blockwise_into", mutates_args=("out",))
-def _scaled_blockwise_into(out: torch.Tensor, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor,
-                           b_s: torch.Tensor, b_blocks: bool) -> None:
+def _blockwise_into(out: torch.Tensor, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
+                    b_blocks: bool) -> None:
     """`_blockwise_scaled_mm` written into `out` [M, N] (row-major, or rows of a wider one: cuBLASLt takes its
     leading stride), in out's dtype: the per-expert GEMMs write their rows of one output, with no concatenation
-    after (on an H200 the 18 concatenations took 5.0 ms of a 285 ms step)."""
+    after (on an H200 the 18 concatenations took 5.0 ms of a 285 ms step). A plain function, called inside the
+    opaque per-expert op: as a custom op of its own each call cost about 20 us more of host time (dispatch,
+    mutation bookkeeping; 2-core CPU, torch 2.13), 288 calls a step at the 671B benchmark's shapes."""
     a, b, scale_a, recipe_a, scale_b, recipe_b = _blockwise_operands(a_q, a_s, b_q, b_s, b_blocks)
     torch._scaled_mm_v2(a, b, [scale_a], [recipe_a.value], [], [scale_b], [recipe_b.value], [], None, out.dtype,
                         out=out)
 
 
-@_scaled_blockwise_into.register_fake
 def _blockwise_into_checked(out: torch.Tensor, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor,
                             b_s: torch.Tensor, b_blocks: bool) -> None:
-    # scaled_mm's out= variant has no fake kernel: torch's checks of the functional one, and out's shape
+    """`_blockwise_into` on fake tensors (the CPU layout tests): scaled_mm's out= variant has no fake kernel, so
+    torch's checks of the functional one, and out's shape."""
     got = _blockwise_scaled_mm(a_q, a_s, b_q, b_s, b_blocks, out.dtype)
     if got.shape != out.shape or out.stride(-1) != 1:
         raise RuntimeError(f"scaled_mm into out {tuple(out.shape)} strides {out.stride()}: the product is "
@@ -172,7 +173,7 @@ def rowwise_grouped_wgrad(dy_PN: torch.Tensor, x_PK: torch.Tensor, offs_E: torch
 
 
 def _per_expert(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, ends: list[int],
-                gemm: str, out_dtype: torch.dtype) -> torch.Tensor:
+                gemm: str, out_dtype: torch.dtype, into=_blockwise_into) -> torch.Tensor:
     """One blockwise scaled_mm per non-empty group, for the group ends `ends` (host ints, multiples of 128), on
     e4m3 operands and their scales as `quantize_per_expert` lays them out:
 
@@ -180,7 +181,7 @@ def _per_expert(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: to
         dgrad  a = dY [P, N] (1 x 128), b = W^T [E, K, N] (128 x 128)  -> [P, K]
         wgrad  a = dY^T [N, P], b = x^T [K, P] (1 x 128 along the rows) -> [E, N, K]
 
-    Each group's GEMM writes its rows (its [N, K] slab for wgrad) of one output (`_scaled_blockwise_into`); rows
+    Each group's GEMM writes its rows (its [N, K] slab for wgrad) of one output (`into`: `_blockwise_into`); rows
     past the last group and the weight gradients of empty groups are zeroed. Every operand and scale of a group's
     GEMM is a view: the weight gradient's operands are column slices of the [N, P] and [K, P] e4m3 tensors
     (`_k_major`; group starts are multiples of 128) and their scales column slices of column-major ones; the
@@ -192,8 +193,8 @@ def _per_expert(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: to
         out = a_q.new_empty(len(groups), a_q.shape[0], b_q.shape[0], dtype=out_dtype)
         for e, (s, n) in enumerate(groups):
             if n:
-                _scaled_blockwise_into(out.select(0, e), a_q.narrow(1, s, n), a_s.narrow(1, s // BLOCK, n // BLOCK),
-                                       b_q.narrow(1, s, n), b_s.narrow(1, s // BLOCK, n // BLOCK), False)
+                into(out.select(0, e), a_q.narrow(1, s, n), a_s.narrow(1, s // BLOCK, n // BLOCK), b_q.narrow(1, s, n),
+                     b_s.narrow(1, s // BLOCK, n // BLOCK), False)
             else:
                 out.select(0, e).zero_()
         return out
@@ -201,8 +202,8 @@ def _per_expert(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: to
     tiles = a_q.shape[1] // BLOCK
     for e, (s, n) in enumerate(groups):
         if n:
-            _scaled_blockwise_into(out.narrow(0, s, n), a_q.narrow(0, s, n), _group_scales(a_s, s, n, tiles),
-                                   b_q.select(0, e), b_s.select(0, e), True)
+            into(out.narrow(0, s, n), a_q.narrow(0, s, n), _group_scales(a_s, s, n, tiles), b_q.select(0, e),
+                 b_s.select(0, e), True)
     out.narrow(0, ends[-1], a_q.shape[0] - ends[-1]).zero_()
     return out
 
@@ -255,6 +256,6 @@ def blockwise_grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, ho
 
 def per_expert_blockwise(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, ends: list[int], gemm: str
                          ) -> torch.Tensor:
-    """`blockwise_grouped` with the group ends also given as host ints (no custom op: the CPU layout tests run it on
-    fake CUDA tensors)."""
-    return _per_expert(*quantize_per_expert(a, b, offs_E, gemm), ends, gemm, a.dtype)
+    """`blockwise_grouped` with the group ends also given as host ints, for fake CUDA tensors (the CPU layout tests):
+    no custom op, and torch's checks in place of each GEMM (`_blockwise_into_checked`)."""
+    return _per_expert(*quantize_per_expert(a, b, offs_E, gemm), ends, gemm, a.dtype, _blockwise_into_checked)
