@@ -4,10 +4,11 @@ CPU with torch's FP8 GEMM replaced by a no-op: what the loop costs besides its G
     .venv/bin/python benchmarks/per_expert_host_time.py              # 16 experts, as the 671B-shape benchmark
 
 On a GPU the loop runs inside the opaque op `dsv3_fp8::blockwise_grouped_mm`, right after each MoE layer's forward
-reads the group ends on the host, so the GPU waits for these launches until the host is ahead again; a GEMM of
-the 671B benchmark (4096 rows, 7168 x 2048) takes about 0.1 ms of GPU time. The operands here are small (128 rows per
-expert, 256 wide): the time is the Python, the dispatch and any small kernel the loop runs per expert, not
-bandwidth. One torch thread. A shared machine makes it noisy: compare runs made one after the other.
+reads the group ends on the host (the forward's loops), so the GPU waits for these launches until the host is
+ahead again; a GEMM of the 671B benchmark (4096 rows, 7168 x 2048: 120 GFLOP) takes about 0.09 ms at the e4m3
+peak measured on an H200. The operands here are small (128 rows per expert, 256 wide): the time is the Python, the
+dispatch and any small kernel the loop runs per expert, not bandwidth. One torch thread. A shared machine makes it
+noisy: compare runs made one after the other.
 
 Output: one JSON object: machine, config, us_per_expert_gemm (median over the repeats of the loop's time per
 expert GEMM, fwd + dgrad + wgrad of one projection) and the repeats' values.
@@ -63,13 +64,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--loops", type=int, default=20, help="passes per repeat")
     args = parser.parse_args(argv)
+    threads, real = torch.get_num_threads(), torch._scaled_mm_v2
     torch.set_num_threads(1)
-    real = torch._scaled_mm_v2  # no CPU kernel for the blockwise GEMM: a no-op that returns its output
+    # no CPU kernel for the blockwise GEMM: a no-op that returns its output
     torch._scaled_mm_v2 = lambda *operands, out=None, **kwargs: out
     try:
         times = measure(args.experts, args.rows, args.width, args.repeats, args.loops)
     finally:
         torch._scaled_mm_v2 = real
+        torch.set_num_threads(threads)
     report = {"machine": machine_info(), "config": vars(args),
               "us_per_expert_gemm": round(statistics.median(times), 1), "repeats_us": [round(t, 1) for t in times]}
     print(json.dumps(report, indent=1))

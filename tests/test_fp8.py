@@ -796,6 +796,11 @@ def test_real_kernel_layouts_pass_torchs_checks():
         assert per_expert_blockwise(xg, wg, offs, ends, "fwd").shape == (P, N)
         assert per_expert_blockwise(dyg, wg, offs, ends, "dgrad").shape == (P, K)
         assert per_expert_blockwise(dyg, xg, offs, ends, "wgrad").shape == (E, N, K)
+        # K and N of one 128 tile: one scale per row, each expert's block scales padded from 1 column to 4
+        x1, w1, dy1 = torch.empty(P, 128, **bf16), torch.empty(E, 128, 128, **bf16), torch.empty(P, 128, **bf16)
+        assert per_expert_blockwise(x1, w1, offs, ends, "fwd").shape == (P, 128)
+        assert per_expert_blockwise(dy1, w1, offs, ends, "dgrad").shape == (P, 128)
+        assert per_expert_blockwise(dy1, x1, offs, ends, "wgrad").shape == (E, 128, 128)
         # the custom op that the model calls, through its fake kernel
         assert blockwise_grouped(xg, wg, offs, offs, "fwd").shape == (P, N)
         assert blockwise_grouped(dyg, wg, offs, offs, "dgrad").shape == (P, K)
@@ -1152,11 +1157,11 @@ def test_fp8_traffic_benchmark_counts_the_generated_kernels_only(monkeypatch):
 
 def test_per_expert_host_time_benchmark_smoke(capsys):
     """benchmarks/per_expert_host_time.py runs the per-expert loop on CPU with the GEMM a no-op, reports a time per
-    expert GEMM, and gives torch its real `_scaled_mm_v2` back."""
+    expert GEMM, and gives torch its real `_scaled_mm_v2` and its thread count back."""
     import benchmarks.per_expert_host_time as bench
 
-    real = torch._scaled_mm_v2
+    real, threads = torch._scaled_mm_v2, torch.get_num_threads()
     report = bench.main(["--experts", "2", "--repeats", "2", "--loops", "1"])
-    assert torch._scaled_mm_v2 is real
+    assert torch._scaled_mm_v2 is real and torch.get_num_threads() == threads
     assert report["us_per_expert_gemm"] > 0 and len(report["repeats_us"]) == 2
     assert json.loads(capsys.readouterr().out)["config"]["experts"] == 2

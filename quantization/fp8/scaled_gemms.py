@@ -8,10 +8,11 @@ torch.nn.functional.scaled_mm, blockwise (the layouts of torch's checks, `_meta_
     b as mat2 [K, N] column-major (b stored [N, K], K last):
         128 x 128 blocks: scale [L4, N/128], strides (1, L4), L4 = K/128 rounded up to a multiple of 4 (padding 1s)
         1 x 128 tiles along K: scale [N, K/128], column-major (strides (1, N))
-The scales are laid out so before the opaque GEMM ops (`_mm_scales`, `_grouped_col_major`, `_padded_blocks`), in
-the code torch.compile generates with their quantisation; inside the ops every operand and scale, each expert's
-included, is a view. (Before, each per-expert GEMM copied its scales into these layouts itself: 2 small kernels
-per GEMM, 576 a step at the 671B benchmark's shapes, each launched from Python in the per-expert loop.)
+The scales are laid out before the opaque GEMM ops (`_mm_scales`, `_grouped_col_major`, `_padded_blocks`), in the
+code torch.compile generates with their quantisation; inside the ops every scale, each expert's included, is a
+view, and so is every operand cuBLASLt takes as it is (`_k_major`). (Before, each per-expert GEMM copied its
+scales into these layouts itself: 2 small kernels per GEMM, 576 a step at the 671B benchmark's shapes, each
+launched from Python in the per-expert loop.)
 torch._scaled_grouped_mm, rowwise: a [P, K] row-major with one scale per row ([P]); b as [E, K, N] column-major in
     its last two dims with one scale per expert and output column ([E, N]); the weight gradient's 2D x 2D form
     (groups along the contraction) takes one scale per row and group, group-major ([E * rows]).
@@ -26,6 +27,8 @@ Its fake kernel is the same code on fake tensors: torch's meta checks of the lay
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -125,8 +128,9 @@ def _blockwise_into(out: torch.Tensor, a_q: torch.Tensor, a_s: torch.Tensor, b_q
     """`_blockwise_scaled_mm` written into `out` [M, N] (row-major, or rows of a wider one: cuBLASLt takes its
     leading stride), in out's dtype: the per-expert GEMMs write their rows of one output, with no concatenation
     after (on an H200 the 18 concatenations took 5.0 ms of a 285 ms step). A plain function, called inside the
-    opaque per-expert op: as a custom op of its own each call cost about 20 us more of host time (dispatch,
-    mutation bookkeeping; 2-core CPU, torch 2.13), 288 calls a step at the 671B benchmark's shapes."""
+    opaque per-expert op: while it was a custom op of its own (dispatch, mutation bookkeeping) the loop took 73-102
+    us of host time per expert GEMM, 21-44 us as a plain call (2-core CPU, torch 2.13,
+    `benchmarks/per_expert_host_time.py`), for 288 calls a step at the 671B benchmark's shapes."""
     a, b, scale_a, recipe_a, scale_b, recipe_b = _blockwise_operands(a_q, a_s, b_q, b_s, b_blocks)
     torch._scaled_mm_v2(a, b, [scale_a], [recipe_a.value], [], [scale_b], [recipe_b.value], [], None, out.dtype,
                         out=out)
@@ -173,7 +177,7 @@ def rowwise_grouped_wgrad(dy_PN: torch.Tensor, x_PK: torch.Tensor, offs_E: torch
 
 
 def _per_expert(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, ends: list[int],
-                gemm: str, out_dtype: torch.dtype, into=_blockwise_into) -> torch.Tensor:
+                gemm: str, out_dtype: torch.dtype, into: Callable[..., None] = _blockwise_into) -> torch.Tensor:
     """One blockwise scaled_mm per non-empty group, for the group ends `ends` (host ints, multiples of 128), on
     e4m3 operands and their scales as `quantize_per_expert` lays them out:
 
@@ -186,8 +190,8 @@ def _per_expert(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: to
     GEMM is a view: the weight gradient's operands are column slices of the [N, P] and [K, P] e4m3 tensors
     (`_k_major`; group starts are multiples of 128) and their scales column slices of column-major ones; the
     forward's and dgrad's scales are the groups' column-major blocks (`_group_scales`) and each expert's padded
-    weight blocks. (Slices by `narrow`, `view` and `select`: the fake CUDA tensors of the CPU layout tests support
-    these.)"""
+    weight blocks. (Views by `narrow`, `view`, `select` and `t`: the fake CUDA tensors of the CPU layout tests
+    support these.)"""
     groups = [(s, t - s) for s, t in zip([0] + ends[:-1], ends)]
     if gemm == "wgrad":
         out = a_q.new_empty(len(groups), a_q.shape[0], b_q.shape[0], dtype=out_dtype)
