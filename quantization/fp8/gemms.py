@@ -18,7 +18,7 @@ from torch import nn
 from quantization.fp8.kernels import (DEEPGEMM, EMULATED, PER_EXPERT, ROWWISE_GROUPED, LinearKernels, Platform,
                                       blockwise_linear_kernels, grouped_kernel)
 from quantization.fp8.quantize import (BLOCK, dequantize_row_segments, qdq_activation, qdq_weight,
-                                       quantize_row_segments)
+                                       quantize_row_segments, row_segments)
 from quantization.fp8.scaled_gemms import blockwise_grouped, blockwise_mm, rowwise_grouped_mm, rowwise_grouped_wgrad
 
 __all__ = ["Fp8GroupedMM", "Fp8Linear", "fp8_grouped_mm"]
@@ -109,12 +109,6 @@ class Fp8Linear(nn.Linear):
         return y.view(*x.shape[:-1], -1)
 
 
-
-def _segments(num_rows: int, offsets_E: torch.Tensor) -> torch.Tensor:
-    """Group id of every row of a grouped layout; rows past the last offset get id E (an extra segment)."""
-    return torch.bucketize(torch.arange(num_rows, device=offsets_E.device), offsets_E, right=True)
-
-
 def _to_host(offs_E: torch.Tensor) -> torch.Tensor:
     """A copy of the group offsets on the host (a host sync from a GPU), for the per-expert loop; a copy from host
     memory too, so that a CPU run's graphs hold the same copy a GPU run's do (tests/test_fp8.py counts it)."""
@@ -160,7 +154,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
         dy_PN = _zero_tail(dy_PN.to(dtype), offs_E)
         if kernel == ROWWISE_GROUPED:
             dx = rowwise_grouped_mm(dy_PN, w_ENK.transpose(-2, -1), offs_E)
-            dw = rowwise_grouped_wgrad(dy_PN, x_PK, offs_E, _segments(x_PK.shape[0], offs_E))
+            dw = rowwise_grouped_wgrad(dy_PN, x_PK, offs_E, row_segments(x_PK.shape[0], offs_E))
         elif kernel == PER_EXPERT:
             dx = blockwise_grouped(dy_PN, w_ENK, offs_E, ends_E, "dgrad")
             dw = blockwise_grouped(dy_PN, x_PK, offs_E, ends_E, "wgrad")
@@ -172,7 +166,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
                 a, b = qdq_activation(dy_PN.t(), recipe, dtype), qdq_activation(x_PK.t(), recipe, dtype)
             else:
                 # one scale per channel and expert: the contraction runs over each expert's rows only
-                seg_P, E = _segments(x_PK.shape[0], offs_E), offs_E.shape[0]
+                seg_P, E = row_segments(x_PK.shape[0], offs_E), offs_E.shape[0]
                 a, b = (dequantize_row_segments(*quantize_row_segments(t, seg_P, E + 1), seg_P, dtype)
                         for t in (dy_PN, x_PK))
             dw = torch._grouped_mm(a, b.t(), offs=offs_E)

@@ -16,7 +16,7 @@ from core.quantization import FP8_TILE
 
 __all__ = ["BLOCK", "E4M3", "E4M3_MAX", "ROWWISE_ALIGN", "dequantize", "dequantize_row_segments", "e4m3_to",
            "qdq_activation", "qdq_weight", "qdq_work_bytes", "quantize", "quantize_row_segments", "quantize_tiles",
-           "row_major"]
+           "row_major", "row_segments"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -144,6 +144,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, tile_rows: int, tile_cols: 
     R, C = q.shape
     tiles = _tiles(q, tile_rows, tile_cols).to(dtype)
     return (tiles * scale[:, None, :, None].to(dtype)).view(-1, tiles.shape[2] * tile_cols)[:R, :C]
+
+
+def row_segments(num_rows: int, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Group id of every row of a grouped layout whose groups end at offsets_E; rows past the last offset get id E
+    (an extra segment)."""
+    return torch.bucketize(torch.arange(num_rows, device=offsets_E.device), offsets_E, right=True)
 
 
 def quantize_row_segments(t_PC: torch.Tensor, segment_P: torch.Tensor, num_segments: int

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from quantization.fp8.quantize import BLOCK, quantize_row_segments, quantize_tiles, row_major
+from quantization.fp8.quantize import BLOCK, quantize_row_segments, quantize_tiles, row_major, row_segments
 
 __all__ = ["blockwise_grouped", "blockwise_mm", "per_expert_blockwise", "quantize_per_expert", "rowwise_grouped_mm",
            "rowwise_grouped_wgrad"]
@@ -81,9 +81,9 @@ def _grouped_col_major(scale_PX: torch.Tensor, offs_E: torch.Tensor) -> torch.Te
     P, X = scale_PX.shape
     ends = torch.cat([offs_E.to(torch.int64), offs_E.new_full((1,), P, dtype=torch.int64)])
     starts = torch.cat([ends.new_zeros(1), ends.narrow(0, 0, ends.shape[0] - 1)])
-    row = torch.arange(P, device=scale_PX.device)
-    group = torch.bucketize(row, ends, right=True)
+    group = row_segments(P, offs_E)
     start, count = starts.index_select(0, group), (ends - starts).index_select(0, group)
+    row = torch.arange(P, device=scale_PX.device)
     # row i of its group, column j: at s X + j n + i
     dest_PX = (start * (X - 1) + row).unsqueeze(1) + torch.arange(X, device=row.device) * count.unsqueeze(1)
     return scale_PX.new_empty(P * X).index_copy_(0, dest_PX.view(-1), scale_PX.reshape(-1))
