@@ -4,6 +4,7 @@ the end; a per-test budget)."""
 
 import getpass
 import logging
+import multiprocessing.util
 import os
 import shutil
 import sys
@@ -47,10 +48,13 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    """Remove the session's temporary folder (see `pytest_configure`)."""
+    """Remove the session's temporary folder (see `pytest_configure`) when the process exits, after
+    multiprocessing's own exit cleanup: the fork server of tests/dist_utils.py keeps its socket's folder in it,
+    which that cleanup removes (and fails on if it is gone)."""
     folder = getattr(config, "_session_tmp", None)
     if folder:
-        shutil.rmtree(folder, ignore_errors=True)
+        multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True},
+                                      exitpriority=-1000)
 
 
 def _tree_bytes(path) -> int:

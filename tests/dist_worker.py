@@ -1,6 +1,7 @@
-"""Run several training jobs in one torchrun launch (one process group) and write rank 0's scalars as JSON.
+"""Run several training jobs in one launch of ranks (one process group) and write rank 0's scalars as JSON.
 
-Usage: torchrun --nproc_per_node N tests/dist_worker.py jobs.json results.json
+Usage: `tests/dist_utils.launch_json` (ranks forked from a fork server), or
+    torchrun --nproc_per_node N tests/dist_worker.py jobs.json results.json
 jobs.json: {"name": [config args...] or {"args": [...], "stop_after": k}, ...}. With stop_after the job is
 interrupted after step k (as if Ctrl-C hit step k + 1), to test resuming. Launching costs seconds on 2 cores, so
 tests group jobs per launch.
@@ -52,9 +53,9 @@ KEYS = ("loss", "grad_norm", "validation/loss")
 
 @contextlib.contextmanager
 def worker_session(jobs_path: str, out_path: str, timeout_s: float = 120):
-    """Inside a torchrun worker: join the process group, load the jobs, yield (jobs, results); whatever happens,
-    rank 0 writes `results` as JSON, the process group is destroyed and the process ends (`devices.end_process`:
-    exit 0, or 1 after printing the traceback). Nothing after the `with` block runs."""
+    """Inside a rank (torchrun's or `dist_utils.launch_json`'s): join the process group, load the jobs, yield (jobs,
+    results); whatever happens, rank 0 writes `results` as JSON, the process group is destroyed and the process ends
+    (`devices.end_process`: exit 0, or 1 after printing the traceback). Nothing after the `with` block runs."""
     torch.set_num_threads(1)
     devices.init_distributed(timeout_s=timeout_s)
     with open(jobs_path) as f:

@@ -1,7 +1,7 @@
-"""Train jobs whose router is biased towards some experts (skewed routing), in one torchrun launch, and write rank
+"""Train jobs whose router is biased towards some experts (skewed routing), in one launch of ranks, and write rank
 0's per-step scalars (memory across ranks, routing statistics) as JSON.
 
-Usage: torchrun --nproc_per_node N tests/skew_worker.py jobs.json results.json
+Usage: `tests/dist_utils.launch_json`, or torchrun --nproc_per_node N tests/skew_worker.py jobs.json results.json
 jobs.json: {"name": {"args": [config args...], "favoured_experts": [expert ids], "bias": float}, ...}. The bias is
 added to `expert_bias` (the selection-only score offset) of every MoE layer after the model is built; with
 `moe.load_balance_coeff 0` it stays, so every token picks its top-k among the favoured experts when they are enough.

@@ -465,11 +465,11 @@ def test_a_checkpoint_corrupt_at_its_size_falls_back_on_every_rank_with_one_warn
     of step-4 and rank 0's of step-3 are zeroed, and a run with verify = "size" (stat only) fails to load each in
     turn: every rank falls back to step-2, loaded whole (the losses are again the straight ones, bit for bit), and
     rank 0 warns once, naming each file and why."""
-    from dist_utils import torchrun_json
+    from dist_utils import launch_json
 
     args = BASE + ["--training.local_batch_size", "2", "--checkpoint.interval", "1", "--job.dump_folder",
                    str(tmp_path / "run")]
-    result = torchrun_json(2, os.path.abspath(__file__), {"corrupt": args}, tmp_path)["corrupt"]
+    result = launch_json(2, os.path.abspath(__file__), {"corrupt": args}, tmp_path)["corrupt"]
     folder = tmp_path / "run" / "checkpoint"
     straight, by_checksum, by_load = result["losses"]
     assert len(straight) == 3 and by_checksum[0] == straight[2] and by_load[:2] == [straight[2], by_checksum[1]]
@@ -486,7 +486,7 @@ def test_a_checkpoint_corrupt_at_its_size_falls_back_on_every_rank_with_one_warn
 
 
 def _corrupt_worker(jobs_path: str, out_path: str) -> None:
-    """torchrun entry point of the corrupt-checkpoint test: three runs of one job, files zeroed between them."""
+    """Rank entry point of the corrupt-checkpoint test: three runs of one job, files zeroed between them."""
     import torch.distributed as dist
     from dist_worker import worker_session
 

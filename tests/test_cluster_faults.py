@@ -8,8 +8,8 @@ unattended restart; a failed save leaves the previous checkpoint the latest.
 
 Faults are injected from here only: a `sitecustomize` module on the ranks' PYTHONPATH (`INJECT`) wraps
 `Heartbeat.advance` so that a rank pauses (for the test to send a signal at a known point) or blocks in a read that
-never returns (a hung file system) at a named point of a named step. This file is also the torchrun worker of the
-in-process cases (`python tests/test_cluster_faults.py jobs.json out.json` under torchrun).
+never returns (a hung file system) at a named point of a named step. This file is also the rank worker of the
+in-process cases (`python tests/test_cluster_faults.py jobs.json out.json` on ranks, `tests/dist_utils.launch_json`).
 """
 
 import errno
@@ -436,14 +436,14 @@ def test_failed_saves_end_every_rank_with_one_line_and_keep_the_previous_checkpo
     folder, writing the PREEMPTED marker of a preemption checkpoint, publishing (the rename) on rank 0. Every rank
     ends with the same line naming the folder and the error, the partial folder is gone, and the previous
     checkpoint stays the latest."""
-    from dist_utils import torchrun_json
+    from dist_utils import launch_json
 
     base = ["--job.config_file", "train_configs/debug_model.toml", *ARGS, *QUIET, "--training.steps", "3"]
     saving = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"]
     jobs = {name: base + saving + ["--job.dump_folder", str(tmp_path / name)]
             for name in ("full_disk", "no_folder", "no_rename")}
     jobs["no_marker"] = base + ["--job.dump_folder", str(tmp_path / "no_marker")]
-    results = torchrun_json(2, os.path.abspath(__file__), jobs, tmp_path)
+    results = launch_json(2, os.path.abspath(__file__), jobs, tmp_path)
 
     def check(name, step, error, latest):
         errors = results[name]["errors"]
@@ -463,7 +463,7 @@ def test_failed_saves_end_every_rank_with_one_line_and_keep_the_previous_checkpo
 
 
 def _worker(jobs_path: str, out_path: str) -> None:
-    """torchrun entry point of the 2-rank cases: each job's error on every rank (a failed save is expected)."""
+    """Rank entry point of the 2-rank cases: each job's error on every rank (a failed save is expected)."""
     import builtins
 
     import torch.distributed as dist

@@ -3,7 +3,7 @@ loop take everything from the registry.
 
 The worked example of docs/architecture.md ("Adding a comm backend") lives here: `AllGatherDispatcher`, a toy
 backend registered from this file, trains the debug model on 2 gloo ranks with the losses of the all-to-all
-backend. This file is also the torchrun worker of that check (`python tests/test_comm_backends.py jobs.json
+backend. This file is also the rank worker of that check (`python tests/test_comm_backends.py jobs.json
 out.json`), so the worker processes register the toy backend the same way. In pytest the toy backend is registered
 only while this module's tests run: pytest imports every test module before running any, and a backend left in the
 registry would be planned (and chosen by `parallelism.auto`) in other modules' tests, whose workers do not know it.
@@ -167,12 +167,12 @@ KEYS = ("loss", "grad_norm", "moe/toy_dispatches")
 
 @pytest.mark.slow
 def test_toy_backend_trains_like_alltoall(tmp_path):
-    from dist_utils import torchrun_json
+    from dist_utils import launch_json
 
     toy = ["--parallelism.expert_parallel_comm_backend", "toy_allgather"]
     jobs = {name: BASE + ["--job.dump_folder", str(tmp_path / name)] + extra for name, extra in {
         "alltoall": [], "toy": toy, "toy_full_ac": toy + ["--activation_checkpoint.mode", "full"]}.items()}
-    out = torchrun_json(2, os.path.abspath(__file__), jobs, tmp_path)
+    out = launch_json(2, os.path.abspath(__file__), jobs, tmp_path)
     want = out["alltoall"]
     moe_layers = 5  # debugmodel: 6 blocks, the first dense; one forward per step (one microbatch, no validation)
     for name in ("toy", "toy_full_ac"):

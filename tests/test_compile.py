@@ -7,8 +7,8 @@ and checks everything on it. Recompiles are counted with dynamo's process-wide c
 Numerics: under compile the grouped experts run in bf16 even in an fp32 model (the shape function of
 `torch._grouped_mm` accepts only bf16), the rest in fp32; see LOSS_RTOL.
 
-Also a torchrun worker: `python -m torch.distributed.run ... tests/test_compile.py jobs.json out.json` trains each
-job through the real trainer and records the loss and the number of compiled graphs after every step.
+Also a rank worker (`tests/dist_utils.launch_json`, or torchrun: `... tests/test_compile.py jobs.json out.json`)
+trains each job through the real trainer and records the loss and the number of compiled graphs after every step.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import re
 import sys
 
-if __name__ == "__main__":  # torchrun worker: make the repo importable before its modules
+if __name__ == "__main__":  # rank worker: make the repo importable before its modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest
@@ -37,6 +37,7 @@ from quantization.fp8.config import Fp8Section, fp8_selection
 from quantization.fp8.convert import apply_fp8
 from core.loss import IGNORE_INDEX, count_valid_tokens, cross_entropy_sum
 from trainer.compile_times import CompileTimes
+from small_models import SMALL, hf_config_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +48,8 @@ COMPILE = CompileSection(enable=True)
 BATCH, SEQ, STEPS, WARMUP = 2, 16, 12, 1
 # Compiled experts compute in bf16 inside the fp32 model (their output differs by about 0.7% of its largest value).
 # At these sizes and inits their share of the residual stream is small: measured loss differences are 1e-7 relative
-# (tiny model, 12 steps) and 5e-6 (debug model, EP=2, 6 steps). 1e-3 leaves room for other seeds and platforms.
+# (tiny model, 12 steps) and 5e-6 (the debug model, EP=2, 6 steps; the 4-rank test trains SMALL since).
+# 1e-3 leaves room for other seeds and platforms.
 LOSS_RTOL = 1e-3
 
 
@@ -302,8 +304,10 @@ def test_compile_gain_smoke_report_against_its_variants(capsys):
 
 # ----------------------------------------------------------------------------------------------- 4 ranks, FSDP x EP
 
-# 3 layers (1 dense, 2 MoE): every kind of compiled piece, half the debug model's graphs to compile
-BASE = ["--job.config_file", "train_configs/debug_model.toml", "--model.n_layers", "3", "--training.seq_len", "32",
+# SMALL (tests/small_models.py), 3 layers (1 dense, 2 MoE): every kind of compiled piece, half the debug model's
+# graphs to compile, a tenth of its FSDP/EP traffic
+BASE = ["--job.config_file", "train_configs/debug_model.toml", "--model.hf_config_path", hf_config_file(SMALL),
+        "--training.seq_len", "32",
         "--training.global_batch_size", "4", "--training.local_batch_size", "1", "--training.steps", "6",
         "--validation.enable", "true", "--validation.freq", "3", "--validation.steps", "1",
         "--memory.track", "off", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "6",
@@ -311,11 +315,11 @@ BASE = ["--job.config_file", "train_configs/debug_model.toml", "--model.n_layers
 
 
 def launch(nproc: int, jobs: dict, tmp_path) -> dict:
-    """Run `jobs` ({name: extra args}) in one torchrun launch of this file; rank 0's results by job name."""
-    from dist_utils import torchrun_json
+    """Run `jobs` ({name: extra args}) in one launch of this file on `nproc` ranks; rank 0's results by job name."""
+    from dist_utils import launch_json
 
     jobs = {name: BASE + ["--job.dump_folder", str(tmp_path / name)] + args for name, args in jobs.items()}
-    return torchrun_json(nproc, os.path.abspath(__file__), jobs, tmp_path)
+    return launch_json(nproc, os.path.abspath(__file__), jobs, tmp_path)
 
 
 @pytest.mark.slow
@@ -352,7 +356,7 @@ def assert_compiled_around_dispatcher_like_eager(eager: dict, compiled: dict) ->
 
 
 def _worker(jobs_path: str, out_path: str) -> None:
-    """torchrun entry point: train each job through `trainer.train.run`, counting compiled graphs per step."""
+    """Rank entry point: train each job through `trainer.train.run`, counting compiled graphs per step."""
     import torch.distributed as dist
     from dist_worker import worker_session
 

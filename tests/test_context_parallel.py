@@ -2,15 +2,15 @@
 and its losses on split sequences, and training parity with one process.
 
 Single process: the split and its inverse, equal causal work per rank, chunked attention against the rows of full
-causal attention, bad input. On gloo ranks (this file is also the torchrun worker: `python
+causal attention, bad input. On gloo ranks (this file is also the rank worker: `python
 tests/test_context_parallel.py jobs.json out.json`):
 
     model    every rank builds the same model twice in fp64, runs one the whole batch and the other its share
              under context parallelism (with document masking, multi-token prediction and the sequence-wise aux
              loss on): its share of the logits, and the gradients summed over the group, equal the whole run's
-    train    cp = 2 and cp = 4 train 10 steps of the debug model with the losses, grad norms and validation losses of
-             one process (fp32, deterministic); a checkpoint saved at cp = 2 resumes at cp = 1 on the straight
-             run's losses
+    train    cp = 2 and cp = 4 train 10 steps of SMALL (tests/small_models.py) with the losses, grad norms and
+             validation losses of one process (fp32, deterministic); a checkpoint saved at cp = 2 resumes at cp = 1
+             on the straight run's losses
 
 The compositions with FSDP, EP, pipelines and every activation checkpointing mode are cells of
 tests/test_ac_matrix.py.
@@ -39,6 +39,7 @@ from models.deepseek_v3.model import DeepSeekV3Model  # noqa: E402
 from models.deepseek_v3.parallelize import attach_context_parallel  # noqa: E402
 from parallelisms.context_parallel import ContextParallel, sequence_order  # noqa: E402
 from trainer.job_config import load_config, validate_job  # noqa: E402
+from small_models import SMALL as SMALL_SHAPES, hf_config_file  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------- single process
@@ -139,9 +140,11 @@ def test_bad_context_parallel_input_through_run_train_sh(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- gloo ranks
 
-# lr 1e-3, not the debug config's 3e-3: at 3e-3 the debug model's grad norm jumps from 1.3 to 10 at step 10, and
-# there a last-bit difference flips a routing choice: fsdp 2 and one process then differ by 1e-4 too.
-TRAIN = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64",
+# SMALL's shapes (tests/small_models.py): the debug model's traffic over gloo cost a minute per launch. lr 1e-3, not
+# the debug config's 3e-3: at 3e-3 the debug model's grad norm jumped from 1.3 to 10 at step 10, and there a
+# last-bit difference flipped a routing choice (fsdp 2 and one process then differed by 1e-4 too).
+TRAIN = ["--job.config_file", "train_configs/debug_model.toml", "--model.hf_config_path", hf_config_file(SMALL_SHAPES),
+         "--training.seq_len", "64",
          "--training.local_batch_size", "4", "--training.global_batch_size", "4", "--training.steps", "10",
          "--training.deterministic", "true", "--validation.freq", "5", "--metrics.enable_tensorboard", "false",
          "--memory.track", "off", "--optimizer.lr", "1e-3"]
@@ -156,7 +159,7 @@ def _cp(n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def one_process(module_tmp_path):
-    """The debug model trained by one process for 10 steps: the reference of every cp run."""
+    """SMALL trained by one process for 10 steps: the reference of every cp run."""
     from trainer.train import run
 
     history: list[dict] = []
@@ -178,11 +181,11 @@ def _assert_same_training(got: list[dict], want: list[dict]) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_model_parity_training_and_checkpoint_to_one_process(tmp_path, one_process):
-    from dist_utils import torchrun_json
+    from dist_utils import launch_json
     from trainer.train import run
 
     jobs = {"model": {"model": True}, "cp2": TRAIN + _cp(2) + CKPT + ["--job.dump_folder", str(tmp_path / "cp2")]}
-    out = torchrun_json(2, os.path.abspath(__file__), jobs, tmp_path)
+    out = launch_json(2, os.path.abspath(__file__), jobs, tmp_path)
     _check_model_parity(out["model"])
     _assert_same_training(out["cp2"], one_process)
     # resume the cp = 2 checkpoint of step 5 on one process (alone in a dump folder of its own)
@@ -197,10 +200,10 @@ def test_two_ranks_model_parity_training_and_checkpoint_to_one_process(tmp_path,
 
 @pytest.mark.slow
 def test_four_ranks_model_parity_and_training(tmp_path, one_process):
-    from dist_utils import torchrun_json
+    from dist_utils import launch_json
 
     jobs = {"model": {"model": True}, "cp4": TRAIN + _cp(4) + ["--job.dump_folder", str(tmp_path / "cp4")]}
-    out = torchrun_json(4, os.path.abspath(__file__), jobs, tmp_path)
+    out = launch_json(4, os.path.abspath(__file__), jobs, tmp_path)
     _check_model_parity(out["model"])
     _assert_same_training(out["cp4"], one_process)
 

@@ -1,7 +1,7 @@
 """The DeepEP backend on CPU, through the stand-in Buffer (parallelisms/moe_comm/deepep_cpu.py).
 
-Multi-rank checks run in one torchrun launch per world size: this file is also the worker (`python
-tests/test_deepep.py jobs.json out.json` under torchrun), which runs
+Multi-rank checks run in one launch of ranks per world size: this file is also the worker (`python
+tests/test_deepep.py jobs.json out.json` on ranks, `tests/dist_utils.launch_json`), which runs
   * the stand-in's Buffer contract (tuples, dtypes, masks, local ids, cached mode, combine, rejected inputs);
   * parity: a MoE layer with the DeepEP dispatcher vs the all-to-all dispatcher, fp32, outputs and all grads
     (and with the real kernels' bf16 wire);
@@ -153,7 +153,7 @@ def test_registry_owns_handles_until_taken_or_dropped():
 # ----------------------------------------------------------------------------------------------- multi process
 
 def _launch(nproc: int, jobs: dict, tmp_path) -> dict:
-    from dist_utils import torchrun_json
+    from dist_utils import launch_json
     from small_models import SMALL, hf_config_file
 
     base = TRAIN_BASE + ["--model.hf_config_path", hf_config_file(SMALL, tmp_path)]
@@ -163,7 +163,7 @@ def _launch(nproc: int, jobs: dict, tmp_path) -> dict:
         leak = jobs["handle_leak"]
         jobs["handle_leak"] = dict(leak, args=[*base, "--job.dump_folder", str(tmp_path / "handle_leak"),
                                                *leak["args"]])
-    return torchrun_json(nproc, os.path.abspath(__file__), jobs, tmp_path, timeout=600)
+    return launch_json(nproc, os.path.abspath(__file__), jobs, tmp_path, timeout=600)
 
 
 def _check_parity(parity: dict) -> None:

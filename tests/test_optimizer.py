@@ -3,7 +3,7 @@ BF16 moments (optimizer.state_dtype): the step against an fp64 reference (moment
 stochastically), state dtypes and placements, checkpoints and their conversion, the memory saved (measured and
 planned), the loss curve, FSDP2 + DCP on 2 ranks, stochastic rounding alike on every layout.
 
-Run as a script, this file is the torchrun worker of the 2-rank test."""
+Run as a script, this file is the rank worker of the 2-rank test."""
 
 import copy
 import functools
@@ -652,11 +652,11 @@ def test_fsdp2_dcp_resume_converts_state_dtype_both_ways(tmp_path):
     checkpoint of each state dtype resumes into the other, each rank's shards converted exactly (see the worker),
     with one note from rank 0, and training goes on. Stochastic rounding stores the same moments sharded as whole
     (`_rounding_alike_on_a_sharded_layout`)."""
-    from dist_utils import torchrun_json
+    from dist_utils import launch_json
 
     jobs = {"args": _small_args(tmp_path, "--memory.track", "off", "--checkpoint.enable", "true",
                                 "--checkpoint.interval", "2"), "dump": str(tmp_path)}
-    results = torchrun_json(2, os.path.abspath(__file__), jobs, tmp_path)
+    results = launch_json(2, os.path.abspath(__file__), jobs, tmp_path)
     for saved, loaded in (("bfloat16", "float32"), ("float32", "bfloat16")):
         result = results[f"{saved}->{loaded}"]
         assert result["notes"] == [f"optimizer state converted on load: the checkpoint's AdamW moments are {saved}, "
@@ -697,7 +697,7 @@ def _rounding_alike_on_a_sharded_layout() -> bool:
 
 
 def _worker(jobs_path: str, out_path: str) -> None:
-    """torchrun entry point of the 2-rank test: per direction, train 2 steps and save, resume with the other
+    """Rank entry point of the 2-rank test: per direction, train 2 steps and save, resume with the other
     state dtype, compare this rank's moment shards with the saved ones, train one more step."""
     import torch.distributed as dist
     from dist_worker import worker_session

@@ -14,7 +14,7 @@ from benchmarks import plan_check
 from benchmarks.memory_plan_check import BASE
 from core.config import ConfigError
 from parallelisms.parallel_dims import ParallelDims
-from tests.dist_utils import torchrun_json
+from dist_utils import launch_json
 from trainer.job_config import load_config, validate_job
 from trainer.prepare import prepare
 from trainer.tools.dry_run import report
@@ -211,7 +211,7 @@ def test_skewed_routing_stays_between_the_balanced_and_the_skewed_prediction(tmp
                    "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "none",
                    "--moe.load_balance_coeff", "0", "--job.dump_folder", str(tmp_path)]
     jobs = {"skewed": {"args": args, "favoured_experts": [0, 1, 2, 3], "bias": 100.0}}
-    out = torchrun_json(2, os.path.join(REPO, "tests", "skew_worker.py"), jobs, tmp_path)
+    out = launch_json(2, os.path.join(REPO, "tests", "skew_worker.py"), jobs, tmp_path)
     history = out["skewed"]
     skews = [v for h in history for k, v in h.items() if k.endswith("ep_rank_max_over_mean")]
     assert skews and min(skews) == pytest.approx(2.0)
