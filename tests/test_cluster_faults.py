@@ -587,6 +587,30 @@ def _unlogged(lines: list[str]) -> list[str]:
     return [line for line in lines if not _LOGGED.match(line)]
 
 
+def test_a_rank_stopped_while_writing_its_error_file_leaves_none_for_torchrun(tmp_path, monkeypatch):
+    """torchrun's agent reads the error file of every rank that ended; one truncated and then left empty (a rank
+    stopped mid-write by the teardown) made the agent die on a JSONDecodeError instead of restarting the job. The
+    line is written whole and renamed into place: an interrupted write leaves no file, a finished one the line."""
+    from trainer import launch
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    def stopped_mid_write(obj, f):
+        f.write('{"message": ')
+        f.flush()
+        raise OSError(errno.ENOSPC, "stopped mid-write")
+
+    with monkeypatch.context() as m:
+        m.setattr(launch.json, "dump", stopped_mid_write)
+        assert not launch.write_error_line("run failed on rank 1: ...")
+    assert os.listdir(tmp_path) == []
+    assert launch.write_error_line("run failed on rank 1: lost its peer", lost_peer=True)
+    assert os.listdir(tmp_path) == ["error.json"]
+    written = json.loads(path.read_text())
+    assert written["message"] == "run failed on rank 1: lost its peer" and written["lost_peer"] is True
+
+
 @pytest.mark.slow
 def test_kill_9_of_a_rank_names_that_rank_not_the_one_that_lost_its_peer(tmp_path):
     """kill -9 of rank 1 while it pauses in step 2 (rank 0 waits for it in a collective and fails a moment later):

@@ -91,10 +91,18 @@ def write_error_line(line: str, lost_peer: bool = False) -> bool:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
+    # written whole, then renamed: torchrun's agent reads the file of any rank that has ended, and tears the other
+    # ranks down when one fails; a rank stopped between truncating the file and writing it left it empty, and the
+    # agent died on it (JSONDecodeError) instead of restarting the job (seen once in tests/test_cluster_faults.py).
+    # A name per thread: the main thread, the watchdog and the preemption reader may each report a line
+    partial = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"
     try:
-        with open(path, "w") as f:
+        with open(partial, "w") as f:
             json.dump({"message": line, "timestamp": int(time.time()), _LOST_PEER: lost_peer}, f)
+        os.replace(partial, path)
     except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
         return False  # a full disk: the caller prints the line itself
     return True
 
