@@ -13,6 +13,7 @@ in-process cases (`python tests/test_cluster_faults.py jobs.json out.json` on ra
 """
 
 import errno
+import io
 import json
 import os
 import re
@@ -596,13 +597,17 @@ def test_a_rank_stopped_while_writing_its_error_file_leaves_none_for_torchrun(tm
     path = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
 
-    def stopped_mid_write(obj, f):
-        f.write('{"message": ')
-        f.flush()
-        raise OSError(errno.ENOSPC, "stopped mid-write")
+    class StoppedMidWrite(io.TextIOWrapper):
+        def write(self, text):
+            super().write(text[:len(text) // 2])
+            self.flush()
+            raise OSError(errno.ENOSPC, "stopped mid-write")
+
+    def open_stopping(file, mode="r", **kwargs):
+        return StoppedMidWrite(open(file, mode.replace("w", "wb"), **kwargs))
 
     with monkeypatch.context() as m:
-        m.setattr(launch.json, "dump", stopped_mid_write)
+        m.setattr(launch, "open", open_stopping, raising=False)
         assert not launch.write_error_line("run failed on rank 1: ...")
     assert os.listdir(tmp_path) == []
     assert launch.write_error_line("run failed on rank 1: lost its peer", lost_peer=True)

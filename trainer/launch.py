@@ -91,20 +91,29 @@ def write_error_line(line: str, lost_peer: bool = False) -> bool:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
-    # written whole, then renamed: torchrun's agent reads the file of any rank that has ended, and tears the other
-    # ranks down when one fails; a rank stopped between truncating the file and writing it left it empty, and the
-    # agent died on it (JSONDecodeError) instead of restarting the job (seen once in tests/test_cluster_faults.py).
-    # A name per thread: the main thread, the watchdog and the preemption reader may each report a line
+    # whole (`_write_whole`): torchrun's agent reads the file of any rank that has ended, and tears the other ranks
+    # down when one fails; a rank stopped between truncating the file and writing it left it empty, and the agent
+    # died on it (JSONDecodeError) instead of restarting the job (seen once in tests/test_cluster_faults.py)
+    try:
+        _write_whole(path, json.dumps({"message": line, "timestamp": int(time.time()), _LOST_PEER: lost_peer}))
+    except OSError:
+        return False  # a full disk: the caller prints the line itself
+    return True
+
+
+def _write_whole(path: str, text: str) -> None:
+    """Write `text` to `path` so that a reader sees the whole text or no file: written under a name of this process
+    and thread (the main thread, the watchdog and the preemption reader may each write), then renamed into place.
+    Raises OSError, with nothing left behind."""
     partial = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"
     try:
         with open(partial, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time()), _LOST_PEER: lost_peer}, f)
+            f.write(text)
         os.replace(partial, path)
     except OSError:
         with contextlib.suppress(OSError):
             os.remove(partial)
-        return False  # a full disk: the caller prints the line itself
-    return True
+        raise
 
 
 def report_line(line: str, lost_peer: bool = False) -> None:
@@ -137,11 +146,8 @@ def leave_marker(name: str, text: str) -> None:
     folder = os.environ.get(LAUNCH_DIR_ENV)
     if not folder:
         return
-    path = os.path.join(folder, name)
     try:
-        with open(path + ".part", "w") as f:
-            f.write(text)
-        os.rename(path + ".part", path)
+        _write_whole(os.path.join(folder, name), text)
     except OSError:
         pass  # the launcher is gone (its folder with it): the job is ending anyway
 
