@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from dist_utils import run_cli
 from small_models import SMALL, TINY, hf_config_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -139,8 +140,7 @@ def test_interrupted_save_is_never_picked_and_keep_latest_k(tmp_path, caplog):
     assert list_checkpoints(folder) == [8, 10]
     args = ["--training.steps", "11", "--checkpoint.interval", "2"]
     # run_train.sh runs preflight, then the trainer: the skipped folders are named once, by the trainer
-    preflight = subprocess.run([sys.executable, "-m", "trainer.preflight", *BASE, "--job.dump_folder", str(tmp_path),
-                                *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    preflight = run_cli("trainer.preflight", [*BASE, "--job.dump_folder", str(tmp_path), *args])
     assert preflight.returncode == 0 and preflight.stderr == "", preflight.stderr
     caplog.set_level(logging.INFO)
     resumed = run(_cfg(tmp_path, *args))

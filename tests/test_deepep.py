@@ -512,8 +512,9 @@ def _host_syncs(mesh, rank: int) -> dict:
     return result
 
 
-def _run_path(mesh, path: str, rank: int) -> dict:
-    """STEPS steps of one execution path under exact memory tracking; what is alive after each step."""
+def _run_path(mesh, path: str, rank: int, patience_s: float = 1.0) -> dict:
+    """STEPS steps of one execution path under exact memory tracking; what is alive after each step, read after
+    waiting up to `patience_s` for the step's handles to go (`_settle`; 0 where they are kept for good)."""
     from trainer.memory.monitor import MemoryMonitor
 
     model, moes = _build(mesh, path)
@@ -535,7 +536,7 @@ def _run_path(mesh, path: str, rank: int) -> dict:
             _step(model, moes, path, x1, x2, rec)
             model.zero_grad(set_to_none=True)
             del x1, x2
-            _settle()
+            _settle(patience_s)
             rec["allocated"].append(read())
             rec["live_handles"].append(HANDLES.live_handles())
             rec["pending"].append(HANDLES.pending())
@@ -698,7 +699,7 @@ def _battery(rank: int) -> dict:
     for path in ("none", "no_grad"):
         HandleRegistry._pop = lambda self, handle_id: self._pending.get(handle_id)
         try:
-            result["leak"][path] = _run_path(mesh, path, rank)
+            result["leak"][path] = _run_path(mesh, path, rank, patience_s=0.0)
         finally:
             HandleRegistry._pop = original
             HANDLES._pending.clear()  # what the patch kept

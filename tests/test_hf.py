@@ -4,12 +4,12 @@ re-import round trips, FP8 block dequantization, import errors, and the convert_
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_utils import run_cli
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -422,8 +422,7 @@ def test_model_mtp_layers_builds_the_flavors_or_configs_depth_none_or_n(tmp_path
 # ------------------------------------------------------------------------------------------------ CLI
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "models.deepseek_v3.convert_hf", *argv], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return run_cli("models.deepseek_v3.convert_hf", list(argv), timeout=120)
 
 
 def _tensors(root: Path) -> dict[str, torch.Tensor]:

@@ -3,11 +3,10 @@ the dry run, the predicted peak against measured ones (in-process and through th
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from dist_utils import run_cli
 
 from benchmarks import memory_plan_check
 from models.deepseek_v3.model import DeepSeekV3Model
@@ -41,9 +40,8 @@ def _check_plan(result: dict, world_size: int, n_ranks: int) -> None:
 
 
 def test_cli_json_one_rank():
-    r = subprocess.run([sys.executable, "-m", "trainer.memory_plan", "--config",
-                        os.path.join(CONFIGS, "debug_model.toml"), "--ngpu", "1", "--json",
-                        "--training.seq_len", "128"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = run_cli("trainer.memory_plan", ["--config", os.path.join(CONFIGS, "debug_model.toml"), "--ngpu", "1",
+                                        "--json", "--training.seq_len", "128"], timeout=120)
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     _check_plan(result, 1, 1)

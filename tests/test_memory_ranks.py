@@ -5,10 +5,10 @@ end-of-run line name that rank."""
 import math
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+from dist_utils import run_cli
 
 from trainer.memory.monitor import MemoryStats
 from trainer.memory.ranks import FIELDS, WORST_RANK_TAG, RankTable, memory_values, place_of, read_worst_ranks
@@ -94,8 +94,7 @@ def test_a_rank_made_to_grow_is_named_wherever_memory_is_reported(tmp_path):
                      result.stderr), result.stderr[-3000:]
     summary = [line for line in result.stderr.splitlines() if "run done: " in line][-1]
     assert re.search(r"peak tensor memory \d+\.\d\d GiB on rank \d \(stage \d\),", summary), summary
-    plot = subprocess.run([sys.executable, "-m", "trainer.plot_memory", str(tmp_path / "dump"),
-                           "--warmup", "1", "--window", "3"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    plot = run_cli("trainer.plot_memory", [str(tmp_path / "dump"), "--warmup", "1", "--window", "3"], timeout=120)
     assert plot.returncode == 0, plot.stderr
     verdicts = plot.stdout.splitlines()[1:-1]
     assert len(verdicts) == 2 and verdicts[0].startswith("rank 3: memory leak: ") and \

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -14,7 +13,7 @@ from benchmarks import plan_check
 from benchmarks.memory_plan_check import BASE
 from core.config import ConfigError
 from parallelisms.parallel_dims import ParallelDims
-from dist_utils import launch_json
+from dist_utils import launch_json, run_cli
 from trainer.job_config import load_config, validate_job
 from trainer.prepare import prepare
 from trainer.tools.dry_run import report
@@ -29,8 +28,7 @@ GiB = 2 ** 30
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.plan", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return run_cli("trainer.plan", list(args))
 
 
 @pytest.mark.parametrize("args, key", [
@@ -486,9 +484,8 @@ def test_planner_ranks_a_budget_mix_above_full_ac_where_no_ac_does_not_fit():
 
 
 def test_a_budget_full_ac_cannot_meet_is_one_line_and_exit_2():
-    r = subprocess.run([sys.executable, "-m", "trainer.preflight", *DEBUG, "--activation_checkpoint.mode", "budget",
-                        "--activation_checkpoint.memory_budget_gib", "0.1"], cwd=REPO, capture_output=True, text=True,
-                       timeout=300)
+    r = run_cli("trainer.preflight", [*DEBUG, "--activation_checkpoint.mode", "budget",
+                                      "--activation_checkpoint.memory_budget_gib", "0.1"])
     lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, lines
     assert lines[0].startswith("config error: activation_checkpoint.memory_budget_gib: 0.1 GiB is below the smallest "

@@ -2,10 +2,9 @@
 where the run saved them), re-runs the leak detector, writes a PNG that stays readable at any rank count."""
 
 import struct
-import subprocess
-import sys
 
 import pytest
+from dist_utils import run_cli
 
 from trainer.memory.leak_detector import SLOPE_TAG
 from trainer.memory.ranks import WORST_RANK_TAG, RankTable
@@ -110,8 +109,7 @@ def test_a_run_without_rank_folders_reads_its_spread(tmp_path):
 
 def test_cli_on_a_single_process_run(tmp_path):
     write_run(tmp_path, ranks=[0], all_ranks=False, log_slope=True)
-    result = subprocess.run([sys.executable, "-m", "trainer.plot_memory", str(tmp_path), "--threshold-MiB", "0.5"],
-                            capture_output=True, text=True, timeout=120)
+    result = run_cli("trainer.plot_memory", [str(tmp_path), "--threshold-MiB", "0.5"], timeout=120)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "tb" / RUN
     assert result.stdout.splitlines() == [f"run {run_dir}", "rank 0: no leak (largest slope 0 MiB/step)",
@@ -133,8 +131,7 @@ def test_latest_run_by_default_never_mixed_and_any_run_by_choice(tmp_path):
     assert [r.summary() for r in runs] == [f"rank {r}: no leak (largest slope 0 MiB/step)" for r in (0, 1)]
     older = load_run(find_run(str(tmp_path), run="20250101-120000")).ranks
     assert len(older) == 1 and older[0].alarm.slope_MiB_per_step == pytest.approx(1.0, rel=1e-3)
-    result = subprocess.run([sys.executable, "-m", "trainer.plot_memory", str(tmp_path / "tb"), "--run", "nope"],
-                            capture_output=True, text=True, timeout=120)
+    result = run_cli("trainer.plot_memory", [str(tmp_path / "tb"), "--run", "nope"], timeout=120)
     assert result.returncode == 1 and result.stderr.strip() == (
         f"no run nope under {tmp_path / 'tb'} (runs: 20250101-120000, 20250101-120000_2)")
 
@@ -151,8 +148,7 @@ def test_run_without_tensor_memory_gets_no_verdict(tmp_path):
 
 
 def test_cli_without_event_files_fails_with_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "trainer.plot_memory", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    result = run_cli("trainer.plot_memory", [str(tmp_path)], timeout=120)
     assert result.returncode == 1
     assert result.stderr.strip() == (f"no tensorboard runs in {tmp_path}: expected a dump folder (with "
                                      "tb/<run id>/), its tb folder or a run folder")

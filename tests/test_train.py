@@ -5,11 +5,11 @@ import logging
 import os
 import re
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from dist_utils import run_cli
 
 from trainer.tools import preflight
 from core.config import ConfigError, config_to_toml, run_with_config_errors
@@ -217,8 +217,10 @@ def test_pipeline_parallel_needs_the_models_split_units():
 
 
 def _cli(args, env_extra=None, cmd=None):
+    """`python -m trainer.train args` (forked: `dist_utils.run_cli`), or `cmd args` as a fresh process."""
     env = dict(os.environ, **(env_extra or {}))
-    cmd = cmd or [sys.executable, "-m", "trainer.train"]
+    if cmd is None:
+        return run_cli("trainer.train", args, env)
     return subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
