@@ -107,11 +107,14 @@ def run_cli(module: str, args: list[str], env: dict | None = None, cwd: str = RE
         p = ctx.Process(target=_cli_main, name=f"python -m {module}",
                         args=(module, args, dict(os.environ if env is None else env), cwd, out, err))
         p.start()
-        p.join(timeout)
-        if p.exitcode is None:
-            p.kill()
-            p.join()
-            raise subprocess.TimeoutExpired([module, *args], timeout, _read(out), _read(err))
+        try:
+            p.join(timeout)
+            if p.exitcode is None:
+                raise subprocess.TimeoutExpired([module, *args], timeout, _read(out), _read(err))
+        finally:  # also when pytest-timeout or Ctrl-C interrupts the wait
+            if p.exitcode is None:
+                p.kill()
+                p.join()
         return subprocess.CompletedProcess([sys.executable, "-m", module, *args], p.exitcode, _read(out), _read(err))
 
 
