@@ -118,11 +118,12 @@ def run_cli(module: str, args: list[str], env: dict | None = None, cwd: str = RE
         return subprocess.CompletedProcess([sys.executable, "-m", module, *args], p.exitcode, _read(out), _read(err))
 
 
-def _read(path: str) -> str:
+def _read(path) -> str:
+    """What a child process wrote to `path`; "" when there is no file (it ended before it redirected its output)."""
     try:
         with open(path, errors="replace") as f:
             return f.read()
-    except FileNotFoundError:  # the process ended before it redirected its streams
+    except FileNotFoundError:
         return ""
 
 
@@ -132,15 +133,21 @@ def _redirect(fd: int, path: str) -> None:
     os.close(target)
 
 
+def _take_environment(env: dict) -> None:
+    """A forked child's environment is the launching test's `env`, and its temporary files go where TMPDIR says
+    (the test session's folder), as a fresh process's would."""
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None
+
+
 def _cli_main(module: str, args: list[str], env: dict, cwd: str, out: str, err: str) -> None:
     """`python -m module *args` in a process forked from the fork server: `env`, `cwd` as the working directory and
     first import path, output and error to the files `out` and `err`. multiprocessing's child ends with the exit
     code of a SystemExit (an uncaught exception: its traceback, code 1), flushing the standard streams first."""
     _redirect(1, out)
     _redirect(2, err)
-    os.environ.clear()
-    os.environ.update(env)
-    tempfile.tempdir = None
+    _take_environment(env)
     os.chdir(cwd)
     sys.path.insert(0, cwd)
     sys.argv = ["-m", *args]  # runpy puts the module's file in front, as `python -m` does
@@ -183,11 +190,7 @@ def _wait(ranks: list, deadline: float) -> str | None:
 
 
 def _tail(path, chars: int = 3000) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-chars:]
-    except OSError as e:
-        return f"(no output: {e})"
+    return _read(path)[-chars:] or "(no output)"
 
 
 def _rank_main(script: str, argv: list[str], env: dict, log_path: str) -> None:
@@ -197,9 +200,7 @@ def _rank_main(script: str, argv: list[str], env: dict, log_path: str) -> None:
     _redirect(1, log_path)
     os.dup2(1, 2)
     sys.stdout.reconfigure(line_buffering=True)  # as torchrun's `python -u`: no line lost to a kill
-    os.environ.clear()
-    os.environ.update(env)
-    tempfile.tempdir = None  # TMPDIR is the test session's folder
+    _take_environment(env)
     # what the fork server imported lives as long as the rank: kept out of the collector's sight, a full collection
     # walks only what the rank made, where it took 0.23 s over torch's and the trainer's objects alone
     # (tests/test_deepep.py settles its memory readings with about 100 collections per rank)
