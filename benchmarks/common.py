@@ -88,12 +88,17 @@ def measure_matmul_peak(dtype, device, n: int, repeats: int = 8) -> float:
 def measure_fp8_matmul_peak(device, n: int, repeats: int = 8) -> float:
     """e4m3 matmul peak in TFLOP/s on `device`, timed as `measure_matmul_peak`: `torch._scaled_mm` of two n x n
     float8_e4m3fn operands with rowwise fp32 scales (one per row of the first, one per column of the second) and a
-    bf16 output. The second operand is column-major, as cuBLAS's FP8 GEMM needs."""
+    bf16 output. The second operand is column-major, as cuBLAS's FP8 GEMM needs. On a CPU whose torch takes one
+    scale per tensor only (2.11's oneDNN path), the scales are per tensor: the same GEMM."""
     import torch
+
+    from quantization.fp8.kernels import Platform
 
     a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t().contiguous().t()
     scale_a, scale_b = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+    if torch.device(device).type == "cpu" and not Platform.detect("cpu").cpu_rowwise_scaled_mm:
+        scale_a, scale_b = torch.ones((), device=device), torch.ones((), device=device)
     return _best_gemm_tflops(
         lambda: torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16), device, n, repeats)
 

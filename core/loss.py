@@ -25,7 +25,7 @@ MIN_CHUNKS = 4
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
-    """Sum of token cross-entropies in fp32; labels equal to IGNORE_INDEX do not count.
+    """Sum of token cross-entropies in fp32 (fp64 logits: in fp64); labels equal to IGNORE_INDEX do not count.
 
     Computed over chunks of at most `chunk_bytes` of fp32 logits when that makes at least MIN_CHUNKS chunks; the
     gradient is exactly that of `F.cross_entropy` on the fp32 logits (row by row the same ops), the loss differs
@@ -44,18 +44,25 @@ def chunk_rows(n_rows: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int |
     return rows if n_rows >= MIN_CHUNKS * rows else None
 
 
+def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    """fp32, or the logits' dtype when wider: an fp64 model (the parity tests') keeps its precision in the loss,
+    where an fp32 sum would differ by an fp32 rounding between one batch and the same batch split across ranks."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
 def _chunk_loss(logits_CV: torch.Tensor, labels_C: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits_CV.float(), labels_C, ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(logits_CV.to(_loss_dtype(logits_CV)), labels_C, ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
-    """Summed fp32 cross-entropy of [N, V] logits, `rows` rows at a time; backward recomputes each chunk."""
+    """Summed fp32 (fp64) cross-entropy of [N, V] logits, `rows` rows at a time; backward recomputes each chunk."""
 
     @staticmethod
     def forward(ctx, logits_NV: torch.Tensor, labels_N: torch.Tensor, rows: int) -> torch.Tensor:
         ctx.rows = rows
         ctx.save_for_backward(logits_NV, labels_N)
-        total = torch.zeros((), dtype=torch.float32, device=logits_NV.device)
+        total = torch.zeros((), dtype=_loss_dtype(logits_NV), device=logits_NV.device)
         for logits_CV, labels_C in zip(logits_NV.split(rows), labels_N.split(rows)):
             total += _chunk_loss(logits_CV, labels_C)
         return total

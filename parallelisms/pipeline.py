@@ -30,6 +30,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from parallelisms.torch_compat import torch_at_least
+
 SINGLE_STAGE = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 LOOPED = {"Interleaved1F1B": ScheduleInterleaved1F1B}
 V_SHAPED = {"ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
@@ -50,6 +52,24 @@ class SplitUnits:
     def ordered(self) -> list[tuple[str, ...]]:
         """Every unit, first to last."""
         return [self.first, *self.layers, self.last]
+
+
+def schedule_problem(schedule: str, device_type: str) -> tuple[str, str, str] | None:
+    """Why `schedule` cannot run on `device_type` ("cpu" or "cuda") with this torch, as a ConfigError's (key,
+    problem, allowed values), or None.
+
+    A V-shaped schedule puts stages pp - 1 and pp, neighbours, on one rank. Before its first step, torch 2.11's
+    schedule sends a tensor from every stage to each neighbour, the other stage of the same rank included; gloo, the
+    CPU backend, has no connection from a rank to itself, and the step fails inside torch ("Pair is not
+    connected"). torch 2.13 sets up its stages without that send (2.12 not checked, so treated as 2.11). GPUs run
+    NCCL, which is not refused here: the failure was seen with gloo only.
+    """
+    if schedule in V_SHAPED and device_type == "cpu" and not torch_at_least(2, 13):
+        return ("parallelism.pipeline_parallel_schedule",
+                f"{schedule} on CPU (gloo) needs torch 2.13 or later: torch {torch.__version__}'s pipeline sends "
+                "between the two stages of one rank before the first step, which gloo cannot do",
+                f"{', '.join([*SINGLE_STAGE, *LOOPED])} (or {schedule} with torch >= 2.13)")
+    return None
 
 
 def stages_per_rank(schedule: str, n_units: int, pp: int, layers_per_stage: int) -> int:

@@ -189,6 +189,20 @@ def test_deepep_on_cuda_without_deep_ep_names_the_install(tmp_path, capsys, monk
     assert not dump.exists()
 
 
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
+def test_v_schedules_on_cpu_with_torch_2_11_are_refused_before_launch(tmp_path, capsys, monkeypatch, schedule):
+    """torch 2.11's V-shaped schedules send between the two stages of one rank before the first step, which gloo
+    cannot do ("Pair is not connected", seen in tests/test_parallel.py on torch 2.11.0): one line instead."""
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    dump = tmp_path / "dump"
+    line = _expect_one_line_exit_2(BASE + ["--job.dump_folder", str(dump), "--parallelism.pipeline_parallel_degree",
+                                          "2", "--training.local_batch_size", "4",
+                                          "--parallelism.pipeline_parallel_schedule", schedule],
+                                   2, "parallelism.pipeline_parallel_schedule", capsys)
+    assert "needs torch 2.13 or later" in line and "GPipe, 1F1B, Interleaved1F1B" in line, line
+    assert not dump.exists()
+
+
 @pytest.mark.parametrize("mutate, needle", [
     (_truncate_data, "truncated"),
     (_corrupt_metadata, "unreadable"),

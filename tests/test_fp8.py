@@ -442,6 +442,11 @@ def test_rowwise_linears_are_torchaos_within_bound():
     one scale per row along each GEMM's K (so the wgrad tiles span all the tokens)."""
     pytest.importorskip("torchao")
     from quantization.fp8.convert import _convert_linear
+    from quantization.fp8.kernels import Platform
+
+    if not Platform.detect("cpu").cpu_rowwise_scaled_mm:
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no rowwise scales: rowwise linears run the "
+                    "emulation here (test_kernel_choice_by_shape_dtype_and_optional_dependencies)")
 
     x, w, dy = _linear_case(M=64)
     lin = torch.nn.Linear(256, 384, bias=False)
@@ -592,7 +597,9 @@ def _platform(capability, **deps):
     from quantization.fp8.kernels import Platform
 
     base = dict(blockwise_scaled_mm=True, scaled_grouped_mm=True, torchao=True, deep_gemm=False, torch_version="2.11")
-    return Platform("cuda", capability, **{**base, **deps}) if capability else Platform("cpu", torchao=True)
+    if capability:
+        return Platform("cuda", capability, **{**base, **deps})
+    return Platform("cpu", **{**dict(torchao=True, cpu_rowwise_scaled_mm=True), **deps})
 
 
 @pytest.mark.parametrize("capability, linear, wgrad, rowwise_linear, rowwise_experts, blockwise_experts", [
@@ -637,6 +644,8 @@ def test_kernel_choice_by_shape_dtype_and_optional_dependencies():
     assert grouped_kernel(older, "rowwise", torch.bfloat16, 2048, 1536) == EMULATED
     assert blockwise_linear_kernels(older, torch.bfloat16, 8192, 2048, 3072).fwd == EMULATED
     assert rowwise_linear_kernel(h100.with_values(torchao=False)) == EMULATED
+    # torch 2.11's CPU _scaled_mm takes per-tensor scales only: torchao's rowwise Float8Linear would fail there
+    assert rowwise_linear_kernel(_platform(None, cpu_rowwise_scaled_mm=False)) == EMULATED
 
 
 def test_kernel_log_line_and_this_machine():
@@ -647,6 +656,7 @@ def test_kernel_log_line_and_this_machine():
     cpu = _platform(None)
     assert describe(cpu, "blockwise").startswith("fp8 blockwise kernels: emulated (CPU)")
     assert "torchao Float8Linear" in describe(cpu, "rowwise")
+    assert "torchao" not in describe(cpu.with_values(cpu_rowwise_scaled_mm=False), "rowwise")
     line = describe(_platform((9, 0)), "blockwise")
     assert line.startswith("fp8 blockwise kernels: linears fwd/dgrad scaled_mm BlockWise1x128 x BlockWise128x128, "
                            "wgrad scaled_mm BlockWise1x128 x BlockWise1x128") and "grouped experts scaled_mm per " \

@@ -34,7 +34,8 @@ HOST_TENSORS = {os.path.join("trainer", "preemption.py"): "the preemption flag i
 
 
 class _ScalarReads(TorchDispatchMode):
-    """Counts `aten._local_scalar_dense` calls by the repository file that made them (the innermost frame of ours)."""
+    """Counts `aten._local_scalar_dense` calls by the repository file that made them (the innermost frame of ours;
+    a dispatch mode's `__torch_dispatch__`, such as the exact memory tracker's, passes the op on and is not it)."""
 
     def __init__(self):
         super().__init__()
@@ -44,7 +45,8 @@ class _ScalarReads(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             stack = traceback.extract_stack()
             ours = [f"{os.path.relpath(f.filename, REPO)}:{f.lineno}" for f in stack
-                    if f.filename.startswith(REPO) and not f.filename.startswith(_NOT_OURS)]
+                    if f.filename.startswith(REPO) and not f.filename.startswith(_NOT_OURS)
+                    and f.name != "__torch_dispatch__"]
             where = ours[-1] if ours else "torch"
             if any(os.sep.join(("torch", "optim", "")) in f.filename for f in stack):
                 where = TORCH_OPTIM

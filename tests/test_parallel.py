@@ -83,8 +83,12 @@ def test_four_ranks_hsdp_fp8_and_interleaved_pipeline(tmp_path, reference, fp8_r
 
 @pytest.mark.slow
 def test_two_ranks_pipeline_schedules(tmp_path, reference):
+    from parallelisms.pipeline import schedule_problem
+
+    # on torch 2.11 the V-shaped ones are refused on CPU before launch (tests/test_bad_inputs.py)
     jobs = {name: PP + ["--parallelism.pipeline_parallel_schedule", name]
-            for name in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")}
+            for name in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+            if schedule_problem(name, "cpu") is None}
     _assert_parity(launch(2, jobs, tmp_path), reference)
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 
 from benchmarks import plan_check
 from benchmarks.memory_plan_check import BASE
@@ -67,6 +68,17 @@ def test_16b_on_8_gpus_json_lists_only_layouts_the_trainer_accepts():
     for row in layouts:
         validate_job(Layout.of_row(row).apply(cfg), 8)
     assert any("cannot be combined with the ZBVZeroBubble schedule" in line for line in result["rejected"])
+
+
+def test_v_schedules_are_not_planned_for_cpu_ranks_of_torch_2_11(monkeypatch):
+    """The planner lists only layouts the trainer runs on the device it plans for: torch 2.11's V-shaped schedules
+    fail with gloo (`parallelisms.pipeline.schedule_problem`), so CPU ranks get none of them; GPUs keep them."""
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    cfg = load_config(list(BASE) + ["--training.local_batch_size", "4", "--training.seq_len", "128"])
+    schedules = {device: {row["pp_schedule"] for row in plan_layouts(cfg, 2, 100.0, device=device)["layouts"]
+                          if row["pp"] > 1} for device in ("cpu", "cuda")}
+    assert schedules["cpu"] == {"GPipe", "1F1B", "Interleaved1F1B"}, schedules
+    assert {"ZBVZeroBubble", "DualPipeV"} <= schedules["cuda"], schedules
 
 
 def test_671b_on_512_gpus_plans_every_stage():

@@ -17,6 +17,7 @@ from core.config import ConfigError, config_to_toml
 from core.model_spec import ModelSpec
 from parallelisms.activation_checkpoint.config import save_ops_warning
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.pipeline import schedule_problem
 from trainer import device as devices
 from trainer.checkpoint.files import CheckpointError, latest_checkpoint
 from trainer.checkpoint.manager import saved_loader_state
@@ -66,6 +67,9 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
     if cfg.parallelism.auto:
         cfg, auto_layout = _auto_layout(cfg, world_size)
     dims = validate_job(cfg, world_size)
+    schedule = schedule_problem(cfg.parallelism.pipeline_parallel_schedule, devices.device_type())
+    if dims.pp_enabled and schedule is not None:
+        raise ConfigError(*schedule)
     ac_budget = None
     if cfg.activation_checkpoint.mode == "budget":
         cfg, ac_budget = _ac_budget(cfg, world_size)

@@ -3,7 +3,8 @@ build and the optional dependencies offer), the compute dtype and the GEMM's sha
 without a GPU; `Platform.detect` reads the running machine.
 
     GEMM kind                    kernel                                     when
-    linear, rowwise              torchao's Float8Linear (torch._scaled_mm)  CPU, or CUDA sm89+; torchao installed
+    linear, rowwise              torchao's Float8Linear (torch._scaled_mm)  CUDA sm89+, or a CPU whose torch takes
+                                                                            rowwise scales (2.13; not 2.11); torchao
     linear, blockwise fwd/dgrad  scaled_mm BlockWise1x128 x BlockWise128x128  CUDA sm90, bf16, dims % 128 == 0
     linear, blockwise wgrad      scaled_mm BlockWise1x128 x BlockWise1x128  the same, and tokens a multiple of 128
     grouped experts, rowwise     torch._scaled_grouped_mm, rowwise scales   CUDA sm90, bf16, dims % 16 == 0
@@ -54,6 +55,7 @@ class Platform:
     blockwise_scaled_mm: bool = False  # torch.nn.functional.scaled_mm with ScalingType.BlockWise1x128 / 128x128
     scaled_grouped_mm: bool = False  # torch._scaled_grouped_mm
     torchao: bool = False  # torchao.float8 (rowwise linears)
+    cpu_rowwise_scaled_mm: bool = False  # torch._scaled_mm on CPU takes one scale per row (torch 2.11's: per tensor)
     deep_gemm: bool = False  # deep_gemm importable through torchao's blockwise MoE training wrapper
     torch_version: str = ""
 
@@ -79,13 +81,26 @@ class Platform:
 def _detect(kind: str) -> Platform:
     torchao = importlib.util.find_spec("torchao") is not None
     if kind != "cuda":
-        return Platform(kind, torchao=torchao, torch_version=torch.__version__)
+        return Platform(kind, torchao=torchao, torch_version=torch.__version__,
+                        cpu_rowwise_scaled_mm=kind == "cpu" and _cpu_rowwise_scaled_mm())
     F = torch.nn.functional
     scaling = getattr(F, "ScalingType", None)
     return Platform("cuda", torch.cuda.get_device_capability(), torch_version=torch.__version__,
                     blockwise_scaled_mm=hasattr(F, "scaled_mm") and hasattr(scaling, "BlockWise128x128"),
                     scaled_grouped_mm=hasattr(torch, "_scaled_grouped_mm"), torchao=torchao,
                     deep_gemm=torchao and _deep_gemm_usable())
+
+
+def _cpu_rowwise_scaled_mm() -> bool:
+    """torch._scaled_mm on CPU multiplies e4m3 operands with one scale per row: asked of the build by one 16 x 16
+    product, since no release note says when it came (torch 2.11.0's CPU kernel asserts per-tensor scales inside
+    oneDNN, which torchao's Float8Linear then hits at its first forward; 2.13.0's takes rowwise ones)."""
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _deep_gemm_usable() -> bool:
@@ -116,8 +131,10 @@ class LinearKernels:
 
 
 def rowwise_linear_kernel(p: Platform) -> str:
-    """Rowwise linears: torchao's Float8Linear where `torch._scaled_mm` runs (CPU, CUDA sm89+), else emulated."""
-    fp8_device = p.device == "cpu" or (p.device == "cuda" and p.capability is not None and p.capability >= (8, 9))
+    """Rowwise linears: torchao's Float8Linear where `torch._scaled_mm` takes rowwise scales (CUDA sm89+, a CPU
+    build that has them), else emulated."""
+    fp8_device = (p.device == "cpu" and p.cpu_rowwise_scaled_mm) or \
+        (p.device == "cuda" and p.capability is not None and p.capability >= (8, 9))
     return TORCHAO_LINEAR if p.torchao and fp8_device else EMULATED
 
 

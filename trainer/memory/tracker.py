@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
+from torch._guards import active_fake_mode
 from torch.distributed._tools import mem_tracker as _mem_tracker_module
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
@@ -103,9 +104,23 @@ class _StepMemTracker(MemTracker):
         if not (all(hasattr(MemTracker, n) for n in methods) and all(hasattr(self, n) for n in fields)):
             raise RuntimeError(f"this torch's MemTracker lacks the internals exact memory tracking relies on. {_HINT}")
         self.last_step_mod_stats: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._fake_mode_at_entry = None  # the FakeTensorMode active when entered, if any (__torch_dispatch__)
         self._mod_tracker = _ForwardOnlyModTracker()
         # memory_tracking's stats by module name, for _update_peak_stats (a list: two roots may share a name)
         self._stats_by_fqn: dict[str, list[Any]] = {}
+
+    def __enter__(self) -> "_StepMemTracker":
+        if getattr(self, "_depth", 0) == 0:
+            self._fake_mode_at_entry = active_fake_mode()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        """DTensor's sharding propagation runs ops on fake tensors under a FakeTensorMode of its own: they hold
+        no memory, so they run untracked. torch 2.13's MemTracker skips them itself; 2.11's counted them, and the
+        first step of a 4-rank FSDP + EP run on CPU peaked 0.18 GiB above the same run on 2.13."""
+        if active_fake_mode() is not self._fake_mode_at_entry:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         before = self.memory_tracking.get(module)

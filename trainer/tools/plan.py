@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from core.config import ConfigError, check_fields, run_with_config_errors
 from parallelisms.moe_comm.registry import COMM_BACKENDS, get_comm_backend
 from parallelisms.parallel_dims import ParallelismSection
+from parallelisms.pipeline import schedule_problem
 from quantization.fp8.accounting import fp8_flops_per_token
 from quantization.fp8.config import RECIPES, fp8_selection
 from trainer.device import device_type
@@ -216,6 +217,9 @@ def evaluate(cfg: JobConfig, layout: Layout, ngpu: int, device: str, skew: float
     and given as `per_layer` (with `budget_fits`)."""
     job = layout.apply(cfg)
     dims = validate_job(job, ngpu, fields_checked=True)
+    schedule = schedule_problem(layout.pp_schedule, device)
+    if dims.pp_enabled and schedule is not None:
+        raise ConfigError(*schedule)
     spec = get_model_spec(job.model.name)
     if dims.pp_enabled and spec.pipeline is None:
         raise ConfigError("parallelism.pipeline_parallel_degree", f"model {job.model.name!r} has no pipeline split",
