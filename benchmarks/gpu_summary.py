@@ -5,7 +5,8 @@ issue-34 targets checked against them, and the test and kernel-check results.
 
 Rows: the variant (the report's file name), tokens/s timed step by step (a synchronisation around each step) and
 free-running (as training runs), MFU of each, the peak of allocated memory, where the profiled step's GPU time
-went (optimizer kernels, idle) and the time torch.compile took. Targets, each PASS / FAIL / not run; for a variant
+went (optimizer kernels, idle, and the idle's three largest parts by what the host was doing: the phase whose
+launch ended each gap, `benchmarks/throughput.py`'s idle_by_host) and the time torch.compile took. Targets, each PASS / FAIL / not run; for a variant
 without a report (stopped at its time limit, say), what its log says it had compiled (the trainer's torch.compile
 lines, `trainer/compile_times.py`):
   - at the 671B GEMM shapes, compiled: FP8 blockwise and rowwise free-running tokens/s >= 1.15x bf16's
@@ -51,17 +52,24 @@ def _ms(split: dict | None, key: str) -> str:
     return "-" if value is None else f"{value * 1e3:.1f}"
 
 
+def _idle_parts(split: dict | None) -> str:
+    """The three largest nonzero parts of the idle time by host phase, "phase ms" each."""
+    parts = (split or {}).get("idle_by_host", {}).get("by_phase_s", {})
+    ranked = sorted(((v, k) for k, v in parts.items() if v > 0), reverse=True)[:3]
+    return ", ".join(f"{k} {v * 1e3:.1f}" for v, k in ranked) or "-"
+
+
 def rows(reports: dict[str, dict]) -> list[str]:
     """The markdown table of the reports."""
     lines = ["| variant | tokens/s timed | tokens/s free | MFU timed | MFU free | peak GiB | optimizer ms | idle ms "
-             "| compile s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| idle by host phase ms | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in reports.items():
         free, split = r["free_running"], r.get("gpu_time_split")
         peak, compiled = r.get("peak_memory_bytes"), (r.get("compile_time") or {}).get("seconds")
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {free['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
                      f"{free['mfu']:.1%} | {'-' if peak is None else f'{peak / 2**30:.2f}'} | "
-                     f"{_ms(split, 'optimizer')} | {_ms(split, 'idle')} | "
+                     f"{_ms(split, 'optimizer')} | {_ms(split, 'idle')} | {_idle_parts(split)} | "
                      f"{'-' if compiled is None else f'{compiled:.1f}'} |")
     return lines
 

@@ -79,7 +79,11 @@ said otherwise:
                       (each category and idle over step_s), kernels (count), top_kernels, and phase_kernel_s:
                       the kernel time by phase of the host op that launched it (data, forward, backward,
                       optimizer, communication, other; an activation-checkpoint recompute runs in backward), so
-                      the cost of AC is (step time with AC - without) / forward kernel time without
+                      the cost of AC is (step time with AC - without) / forward kernel time without;
+                      idle_by_host: the idle time charged to what the host was doing (`idle_by_host`): by phase
+                      of the op whose launch ended each gap (plus device, step_end, unlinked), gap counts, the
+                      top (phase, launching op) pairs and the 5 longest gaps with their host path. The profiler
+                      adds host time to every op, so the profiled step idles more than a free-running one
   top_ops             the ops with the most self CPU time in the profiled step
   compile_time        compiles (torch.compile graphs, a backward counted apart) and seconds: their wall time in this
                       process (`trainer.compile_times`; each is also a line of the trainer's log); 0 and 0.0 when
@@ -146,6 +150,9 @@ ATTENTION_OPS = {"aten::bmm", "aten::_softmax", "aten::_safe_softmax", "aten::_s
                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
 COMM_PREFIXES = ("c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param_comms")
 STEP_LABEL = "benchmark/profiled_step"
+# the host's calls that put work on a CUDA device: the runtime's (cudaLaunchKernel, cudaMemcpyAsync, ...) and the
+# driver's (cuLaunchKernel, cuLaunchKernelEx: triton's launches)
+LAUNCH_PREFIX = "cu"
 GEMM_N = {"cpu": 2048, "cuda": 8192}  # large enough to reach the device's GEMM peak, small enough to time quickly
 
 
@@ -203,6 +210,80 @@ def phase_kernel_seconds(events) -> dict[str, float]:
         if launched:
             split[_phase_of_event(event)] += sum(launched) / 1e6
     return split
+
+
+def _launches(events) -> dict:
+    """The host's CUDA runtime and driver calls (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...) by id:
+    the profiler gives each the id of the kernel or copy it put on the device, and hangs it under the op that made
+    it (on that op's thread)."""
+    from torch.autograd import DeviceType
+
+    return {e.id: e for e in events if e.device_type == DeviceType.CPU and e.name.startswith(LAUNCH_PREFIX)}
+
+
+def _host_path(event) -> str:
+    """`event`'s labelled ancestors and ops from the outermost below the step label down to it, ' > '-joined."""
+    names = []
+    while event is not None and event.name != STEP_LABEL:
+        names.append(event.name[:80])
+        event = event.cpu_parent
+    return " > ".join(reversed(names))
+
+
+def idle_by_host(events, window: tuple[float, float], top: int = 10) -> dict:
+    """Where the GPU's idle time in the profiled step goes, by what the host was doing.
+
+    The gaps are those of `gpu_time_split` (the union of every stream's kernels inside `window`), and each is
+    charged to the kernel that ends it. If that kernel's launch (the runtime call with its id, `_launches`) came
+    after the gap began, the GPU waited for the host to launch it: the gap goes to the launching op's phase (as
+    `time_split` finds it) and name. If the launch came earlier, the device waited on something else (another
+    stream, an event): "device". The time after the last kernel is "step_end" (the host's bookkeeping up to the
+    closing synchronisation); a kernel without a launch in the profile counts as "unlinked".
+
+    Returns by_phase_s (PHASES plus those three), gaps (count, and over 100 us and over 1 ms), by_op (the `top`
+    (phase, launching op) pairs by total gap time: ms and gap count) and largest (the 5 longest gaps: ms, phase and
+    the host path of their launch, `_host_path`).
+    """
+    from torch.autograd import DeviceType
+
+    lo, hi = window
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+                      and e.time_range.end / 1e6 > lo and e.time_range.start / 1e6 < hi),
+                     key=lambda e: e.time_range.start)
+    launches = _launches(events)
+    by_phase = dict.fromkeys(PHASES + ("device", "step_end", "unlinked"), 0.0)
+    by_op: dict[tuple[str, str], list] = {}
+    gaps = []
+    cursor = lo
+    for kernel in kernels:
+        start = kernel.time_range.start / 1e6
+        if start > cursor:
+            launch = launches.get(kernel.id)
+            if launch is None:
+                phase, op, path = "unlinked", kernel.name[:80], ""
+            else:
+                maker = launch.cpu_parent or launch
+                phase = "device" if launch.time_range.start / 1e6 < cursor else _phase_of_event(launch)
+                op, path = maker.name[:80], _host_path(maker)
+            gap = start - cursor
+            by_phase[phase] += gap
+            entry = by_op.setdefault((phase, op), [0.0, 0])
+            entry[0] += gap
+            entry[1] += 1
+            gaps.append((gap, phase, path))
+        cursor = max(cursor, kernel.time_range.end / 1e6)
+    if hi > cursor:
+        by_phase["step_end"] += hi - cursor
+    ranked = sorted(by_op.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+    return {
+        "by_phase_s": by_phase,
+        "gaps": {"count": len(gaps), "over_100us": sum(g > 1e-4 for g, _, _ in gaps),
+                 "over_1ms": sum(g > 1e-3 for g, _, _ in gaps)},
+        "by_op": [{"phase": phase, "op": op, "ms": round(seconds * 1e3, 3), "gaps": count}
+                  for (phase, op), (seconds, count) in ranked],
+        "largest": [{"ms": round(g * 1e3, 3), "phase": phase, "path": path}
+                    for g, phase, path in sorted(gaps, key=lambda t: t[0], reverse=True)[:5]],
+    }
 
 
 def host_op_seconds(events) -> tuple[dict[str, float], float]:
@@ -394,6 +475,7 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
     if cuda:
         gpu_split = gpu_time_split(device_kernels(events), step_window(events))
         gpu_split["phase_kernel_s"] = phase_kernel_seconds(events)
+        gpu_split["idle_by_host"] = idle_by_host(events, step_window(events))
     if cuda:  # the device's time: kernels, and the step from synchronisation to synchronisation
         kernel_s = gpu_split["kernel_s"]
         measured = {"matmul": kernel_s["gemm"] + kernel_s["grouped_gemm"], "attention": kernel_s["attention"]}

@@ -146,6 +146,9 @@ def check_gpu_time_split(split: dict) -> None:
     assert split["share_of_step"] == pytest.approx(
         {**{k: v / split["step_s"] for k, v in split["kernel_s"].items()}, "idle": split["idle_s"] / split["step_s"]})
     assert split["kernel_s"]["gemm"] + split["kernel_s"]["grouped_gemm"] > 0 and split["kernels"] > 0
+    # every idle second charged to something the host did (or the device, or the step's end), none unlinked
+    idle = split["idle_by_host"]
+    assert sum(idle["by_phase_s"].values()) == pytest.approx(split["idle_s"]) and idle["by_phase_s"]["unlinked"] == 0
 
 
 # Kernel names as torch's profiler reports them on CUDA (demangled; long template arguments shortened with ...).
@@ -256,7 +259,7 @@ def test_step_window_and_device_kernels_from_a_profile():
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from benchmarks.throughput import STEP_LABEL, device_kernels, step_window
+    from benchmarks.throughput import STEP_LABEL, device_kernels, idle_by_host, step_window
 
     x = torch.randn(64, 64)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -270,9 +273,11 @@ def test_step_window_and_device_kernels_from_a_profile():
     assert device_kernels(events) == []
     split = gpu_time_split(device_kernels(events), (lo, hi))
     assert split["idle_s"] == split["step_s"] == pytest.approx(hi - lo) and split["busy_s"] == 0
+    idle = idle_by_host(events, (lo, hi))  # the real events' fields: with no kernel, all of it is the step's end
+    assert idle["by_phase_s"]["step_end"] == pytest.approx(hi - lo) and idle["gaps"]["count"] == 0
 
 
-def _event(name, start_us, end_us, device="cpu", thread=1, parent=None, kernels=(), annotation=False):
+def _event(name, start_us, end_us, device="cpu", thread=1, parent=None, kernels=(), annotation=False, id=0):
     """A stand-in for the profiler's FunctionEvent with the fields the benchmark reads."""
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import Interval, Kernel
@@ -280,7 +285,7 @@ def _event(name, start_us, end_us, device="cpu", thread=1, parent=None, kernels=
     return SimpleNamespace(name=name, time_range=Interval(start_us, end_us), thread=thread, cpu_parent=parent,
                            device_type=DeviceType.CUDA if device == "cuda" else DeviceType.CPU,
                            is_user_annotation=annotation, self_cpu_time_total=0.0,
-                           kernels=[Kernel(k, 0, d) for k, d in kernels])
+                           kernels=[Kernel(k, 0, d) for k, d in kernels], id=id)
 
 
 def test_cuda_profile_parsing_on_stand_in_events():
@@ -309,6 +314,87 @@ def test_cuda_profile_parsing_on_stand_in_events():
                                     "communication": 0, "other": 0})
     split = gpu_time_split(device_kernels(events), step_window(events))
     assert split["busy_s"] == pytest.approx(3.7e-3) and split["idle_s"] == pytest.approx(6.3e-3)
+
+
+def test_idle_time_charged_to_what_the_host_was_doing():
+    """idle_by_host on stand-in events: each gap goes to the kernel that ends it; to the phase and op of its launch
+    (the runtime call with the kernel's id) when the launch came after the GPU fell idle, to "device" when it came
+    before (the GPU waited on something else), "unlinked" without a launch; the tail is "step_end". Kernels on two
+    streams that overlap leave no gap, and an op whose id happens to equal a kernel's is not its launch."""
+    from benchmarks.throughput import STEP_LABEL, device_kernels, idle_by_host, step_window
+
+    gemm, adam = RECORDED_KERNELS["gemm"][1], RECORDED_KERNELS["optimizer"][0]
+    step = _event(STEP_LABEL, 0, 10_000, annotation=True)
+    data = _event("phase/data", 0, 400, parent=step, annotation=True)
+    copy = _event("aten::copy_", 100, 350, parent=data)
+    fwd = _event("phase/forward", 400, 2_000, parent=step, annotation=True)
+    mm, mm2 = _event("aten::mm", 450, 500, parent=fwd), _event("aten::mm", 600, 650, parent=fwd)
+    node = _event("autograd::engine::evaluate_function: MmBackward0", 2_500, 2_600, thread=2)
+    mm_bwd = _event("aten::mm", 2_510, 2_590, thread=2, parent=node)
+    opt = _event("Optimizer.step#BF16MomentsAdamW.step", 5_000, 5_100, parent=step, annotation=True)
+    triton = _event("triton_poi_fused_0", 5_010, 5_090, parent=opt, id=16)  # an op's id: not a launch
+    host = [step, data, copy, fwd, mm, mm2, node, mm_bwd, opt, triton,
+            _event("cudaMemcpyAsync", 300, 320, parent=copy, id=11),
+            _event("cudaLaunchKernel", 460, 465, parent=mm, id=12),
+            _event("cudaLaunchKernel", 610, 615, parent=mm2, id=13),
+            _event("cudaLaunchKernel", 2_520, 2_530, thread=2, parent=mm_bwd, id=14),
+            _event("cudaLaunchKernel", 2_570, 2_575, thread=2, parent=mm_bwd, id=15),
+            _event("cuLaunchKernelEx", 5_050, 5_060, parent=triton, id=16)]
+    device = [_event("Memcpy HtoD (Pinned -> Device)", 330, 380, device="cuda", id=11),
+              _event(gemm, 470, 1_300, device="cuda", id=12),
+              _event(gemm, 700, 1_200, device="cuda", id=13),  # another stream, inside the one before
+              _event(gemm, 2_700, 4_700, device="cuda", id=14),
+              _event(gemm, 4_790, 4_890, device="cuda", id=15),  # launched long before: waited on the device
+              _event(adam, 5_200, 5_900, device="cuda", id=16),
+              _event(adam, 5_990, 6_090, device="cuda", id=99),  # no launch in the profile
+              _event(STEP_LABEL, 50, 9_500, device="cuda", annotation=True)]
+    window = step_window(host + device)
+    idle = idle_by_host(host + device, window)
+    assert idle["by_phase_s"] == pytest.approx({
+        "data": 330e-6, "forward": 90e-6, "backward": 1_400e-6, "optimizer": 310e-6, "communication": 0,
+        "other": 0, "device": 90e-6, "step_end": 3_910e-6, "unlinked": 90e-6})
+    split = gpu_time_split(device_kernels(host + device), window)
+    assert sum(idle["by_phase_s"].values()) == pytest.approx(split["idle_s"])
+    assert idle["gaps"] == {"count": 6, "over_100us": 3, "over_1ms": 1}
+    assert idle["by_op"][:3] == [{"phase": "backward", "op": "aten::mm", "ms": 1.4, "gaps": 1},
+                                 {"phase": "data", "op": "aten::copy_", "ms": 0.33, "gaps": 1},
+                                 {"phase": "optimizer", "op": "triton_poi_fused_0", "ms": 0.31, "gaps": 1}]
+    assert {(e["phase"], e["op"]) for e in idle["by_op"][3:]} == {("forward", "aten::mm"), ("device", "aten::mm"),
+                                                                  ("unlinked", adam[:80])}  # names cut at 80
+    assert idle["largest"][:3] == [
+        {"ms": 1.4, "phase": "backward", "path": "autograd::engine::evaluate_function: MmBackward0 > aten::mm"},
+        {"ms": 0.33, "phase": "data", "path": "phase/data > aten::copy_"},
+        {"ms": 0.31, "phase": "optimizer",
+         "path": "Optimizer.step#BF16MomentsAdamW.step > triton_poi_fused_0"}]
+
+
+@pytest.mark.cuda
+def test_cuda_idle_time_charged_to_the_host_phase_that_kept_the_gpu_waiting():
+    """On a GPU, the profiler's own events: a 20 ms host stall before a launch in the optimizer phase is charged
+    to that phase and op, which checks that the runtime calls carry their kernels' ids on this torch."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks.throughput import STEP_LABEL, idle_by_host, step_window
+
+    x = torch.randn(2048, 2048, device="cuda")
+    torch.mm(x, x)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function(STEP_LABEL):
+            torch.cuda.synchronize()
+            with record_function("phase/forward"):
+                y = torch.mm(x, x)
+            with record_function("phase/optimizer"):
+                time.sleep(0.02)
+                y.add_(1)
+            torch.cuda.synchronize()
+    events = prof.events()
+    idle = idle_by_host(events, step_window(events))
+    assert idle["by_phase_s"]["optimizer"] > 0.015, idle
+    assert idle["by_op"][0]["phase"] == "optimizer" and idle["by_op"][0]["op"].startswith("aten::add"), idle
+    assert idle["by_phase_s"]["unlinked"] == 0, idle
 
 
 @pytest.mark.slow
@@ -439,7 +525,8 @@ def test_gpu_summary_checks_the_targets_from_the_reports(tmp_path, monkeypatch):
 
     def report(name, tokens_per_s, mfu):
         free = {"steps": 10, "seconds": 1.0, "tokens_per_s": tokens_per_s, "mfu": mfu}
-        split = {"kernel_s": {"optimizer": 0.02}, "idle_s": 0.004}
+        split = {"kernel_s": {"optimizer": 0.02}, "idle_s": 0.004, "idle_by_host": {"by_phase_s": {
+            "forward": 0.0005, "optimizer": 0.002, "step_end": 0.0012, "data": 0.0003, "backward": 0.0}}}
         (tmp_path / f"{name}.json").write_text(json.dumps({
             "tokens_per_s": tokens_per_s * 0.9, "mfu": mfu * 0.9, "free_running": free,
             "peak_memory_bytes": 3 * 2**30, "gpu_time_split": split,
@@ -459,7 +546,8 @@ def test_gpu_summary_checks_the_targets_from_the_reports(tmp_path, monkeypatch):
     (tmp_path / "tests_cuda.xml").write_text('<testsuites><testsuite tests="12" failures="1" errors="0" '
                                              'skipped="2"/></testsuites>')
     text = summary(str(tmp_path))
-    assert "| b671_fp8_blockwise | 1,080 | 1,200 | 43.2% | 48.0% | 3.00 | 20.0 | 4.0 | 31.2 |" in text
+    assert "| b671_fp8_blockwise | 1,080 | 1,200 | 43.2% | 48.0% | 3.00 | 20.0 | 4.0 | optimizer 2.0, step_end " \
+           "1.2, forward 0.5 | 31.2 |" in text
     assert "- 671B shapes: FP8 blockwise / bf16 tokens/s >= 1.15: 1.20x PASS" in text
     assert "- 671B shapes: FP8 rowwise / bf16 tokens/s >= 1.15: 1.10x FAIL" in text
     assert "- 16B shapes, compiled B4: MFU >= 55%: 56.0% PASS" in text
