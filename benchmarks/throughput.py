@@ -234,10 +234,10 @@ def idle_by_host(events, window: tuple[float, float], top: int = 10) -> dict:
     """Where the GPU's idle time in the profiled step goes, by what the host was doing.
 
     The gaps are those of `gpu_time_split` (the union of every stream's kernels inside `window`), and each is
-    charged to the kernel that ends it. If that kernel's launch (the runtime call with its id, `_launches`) came
-    after the gap began, the GPU waited for the host to launch it: the gap goes to the launching op's phase (as
-    `time_split` finds it) and name. If the launch came earlier, the device waited on something else (another
-    stream, an event): "device". The time after the last kernel is "step_end" (the host's bookkeeping up to the
+    charged to the kernel that ends it. If that kernel's launch (the runtime call with its id, `_launches`) had not
+    returned when the gap began, the GPU waited for the host to launch it: the gap goes to the launching op's phase
+    (as `time_split` finds it) and name. If the launch had returned, the kernel was queued and the device waited on
+    something else (another stream, an event, or its own latency between kernels): "device". The time after the last kernel is "step_end" (the host's bookkeeping up to the
     closing synchronisation); a kernel without a launch in the profile counts as "unlinked".
 
     Returns by_phase_s (PHASES plus those three), gaps (count, and over 100 us and over 1 ms), by_op (the `top`
@@ -263,7 +263,7 @@ def idle_by_host(events, window: tuple[float, float], top: int = 10) -> dict:
                 phase, op, path = "unlinked", kernel.name[:80], ""
             else:
                 maker = launch.cpu_parent or launch
-                phase = "device" if launch.time_range.start / 1e6 < cursor else _phase_of_event(launch)
+                phase = "device" if launch.time_range.end / 1e6 < cursor else _phase_of_event(launch)
                 op, path = maker.name[:80], _host_path(maker)
             gap = start - cursor
             by_phase[phase] += gap
