@@ -146,9 +146,9 @@ def check_gpu_time_split(split: dict) -> None:
     assert split["share_of_step"] == pytest.approx(
         {**{k: v / split["step_s"] for k, v in split["kernel_s"].items()}, "idle": split["idle_s"] / split["step_s"]})
     assert split["kernel_s"]["gemm"] + split["kernel_s"]["grouped_gemm"] > 0 and split["kernels"] > 0
-    # every idle second charged to something the host did (or the device, or the step's end), none unlinked
-    idle = split["idle_by_host"]
-    assert sum(idle["by_phase_s"].values()) == pytest.approx(split["idle_s"]) and idle["by_phase_s"]["unlinked"] == 0
+    # every idle second charged to something: what the host did, the device, the step's end, or a kernel whose
+    # launch the profile lacks
+    assert sum(split["idle_by_host"]["by_phase_s"].values()) == pytest.approx(split["idle_s"])
 
 
 # Kernel names as torch's profiler reports them on CUDA (demangled; long template arguments shortened with ...).
