@@ -397,6 +397,33 @@ def test_cuda_idle_time_charged_to_the_host_phase_that_kept_the_gpu_waiting():
     assert idle["by_phase_s"]["unlinked"] == 0, idle
 
 
+@pytest.mark.cuda
+def test_cuda_idle_before_a_compiled_kernel_is_charged_to_its_launch():
+    """Triton's kernels are launched through the driver API (cuLaunchKernel / cuLaunchKernelEx): the profile must
+    link them to their launch too, or the idle time before compiled code would count as "unlinked"."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks.throughput import STEP_LABEL, idle_by_host, step_window
+
+    double = torch.compile(lambda t: t * 2 + 1, fullgraph=True)
+    x = torch.randn(1 << 20, device="cuda")
+    double(x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function(STEP_LABEL):
+            torch.cuda.synchronize()
+            with record_function("phase/data"):
+                time.sleep(0.02)
+                double(x)
+            torch.cuda.synchronize()
+    events = prof.events()
+    idle = idle_by_host(events, step_window(events))
+    assert idle["by_phase_s"]["data"] > 0.015 and idle["by_phase_s"]["unlinked"] == 0, idle
+
+
 @pytest.mark.slow
 def test_smoke_report_schema():
     report = _run_json("benchmarks/throughput.py", timeout=120)
