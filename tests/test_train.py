@@ -60,6 +60,8 @@ def test_debug_model_trains_with_falling_loss_and_tensorboard(tmp_path, caplog):
     # one process: the job's is rank 0's
     assert [s for s, _ in scalars["throughput/job_tokens_per_s"]] == [1, 4, 8]
     assert scalars["throughput/job_tokens_per_s"] == scalars["throughput/rank0_tokens_per_s"]
+    assert [s for s, _ in scalars["throughput/rank0_data_loading_pct"]] == [1, 4, 8]
+    assert all(0 < pct < 100 for _, pct in scalars["throughput/rank0_data_loading_pct"])
     assert [s for s, _ in scalars["validation/loss"]] == [4, 8]
     # memory at step end is flat after warm-up (exact CPU tracker), and the peak exceeds it; one process: the
     # spread over the ranks is its own value, rank 0's
@@ -207,6 +209,38 @@ def test_model_spec_hooks_run_at_build_and_around_every_step(tmp_path):
     assert events == [("configure", 5), ("before", tokens), ("post",), ("before", tokens), ("post",)]
     moe_layers = trainer.model_parts[0].moe_layers()
     assert all(m.aux_loss_coeff == 0.01 and m.aux_loss_grad_scale == 1 / tokens for m in moe_layers)
+
+
+def test_data_loading_share_is_the_time_in_next_batch_over_the_logging_window(tmp_path):
+    """throughput/rank0_data_loading_pct (run folder) and rank_data_loading_pct (rank folder): the share of the
+    rank's wall time since the last logging step spent reading batches. A loader slowed by 0.15 s a batch: the
+    share times the window (from the step's own rate) is the time measured inside it."""
+    cfg = _cfg(tmp_path, "--training.steps", "3", "--validation.enable", "false", "--metrics.log_freq", "1",
+               "--metrics.enable_tensorboard", "false", "--memory.track", "off")
+    trainer = Trainer(prepare(cfg, 1, 0), torch.device("cpu"))
+    inside, next_batch = [], trainer.train_loader.next_batch
+
+    def slow_next_batch():
+        start = time.perf_counter()
+        time.sleep(0.15)
+        batch = next_batch()
+        inside.append(time.perf_counter() - start)
+        return batch
+
+    trainer.train_loader.next_batch = slow_next_batch
+    history = []
+    try:
+        trainer.train(history)
+    finally:
+        trainer.close()
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    assert len(history) == len(inside) == 3
+    for h, data_s in zip(history, inside):
+        window_s = tokens / h["throughput/rank_tokens_per_s"]  # one step per window at log_freq 1
+        measured_s = h["throughput/rank_data_loading_pct"] / 100 * window_s
+        # the trainer's clock also holds the profiler label around the call (about 1 ms the first time)
+        assert data_s <= measured_s < data_s + 0.005, (measured_s, data_s)
+        assert h["throughput/rank0_data_loading_pct"] == h["throughput/rank_data_loading_pct"]
 
 
 def test_pipeline_parallel_needs_the_models_split_units():

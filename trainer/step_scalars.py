@@ -58,6 +58,7 @@ class StepRecord:
     rank_scalars: dict[str, float] = field(default_factory=dict)
     local_tokens: int = 0
     global_tokens: int = 0
+    data_s: float = 0.0  # this rank's host seconds reading the step's batch (`Trainer.train_step`)
 
 
 class PendingSteps:

@@ -74,6 +74,8 @@ logger = logging.getLogger("trainer")
 
 _NONFINITE = "nonfinite"
 """The key of a step's non-finite flag among its pending scalars (read and removed before logging)."""
+_DATA_S = "data_s"
+"""The key of a step's host seconds reading its batch among `train_step`'s scalars (moved to its StepRecord)."""
 
 
 class TrainingError(RuntimeError):
@@ -329,8 +331,10 @@ class Trainer:
         loop reads them at its next logging step, all in one transfer (`trainer/step_scalars.py`)."""
         cfg = self.cfg
         position = self.train_loader.state_dict() if self.preemption.signals else None
+        data_start = time.perf_counter()
         with record_function("phase/data"):
             inputs, labels = self.train_loader.next_batch()
+        data_s = time.perf_counter() - data_start
         self._advance("counting the batch's tokens")
         own_labels = own_share(self.context_parallel, labels)
         global_tokens = self._host_sum(count_valid_tokens(own_labels))
@@ -361,7 +365,7 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
             scalars = self.spec.hooks.post_optimizer_step(self.model_parts, cfg.moe, self.dp_group)
         scalars.update({"loss": loss, "grad_norm": grad_norm, _NONFINITE: nonfinite, "lr": lr,
-                        "local_tokens": own_labels.numel(), "global_tokens": global_tokens})
+                        "local_tokens": own_labels.numel(), "global_tokens": global_tokens, _DATA_S: data_s})
         return scalars
 
     def _optimizer_step(self, nonfinite: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
@@ -452,7 +456,7 @@ class Trainer:
                 mem = self.memory.step_end()
                 self.snapshots.step_end(step)
                 record = StepRecord(step, scalars, MemoryMonitor.to_scalars(mem), scalars.pop("local_tokens"),
-                                    scalars.pop("global_tokens"))
+                                    scalars.pop("global_tokens"), scalars.pop(_DATA_S))
                 verdict = None
                 if mem.allocated_bytes is not None:  # the detector must never see unmeasured memory
                     verdict = self.leak_detector.update(step, mem.allocated_bytes, mem.breakdown)
@@ -541,6 +545,9 @@ class Trainer:
         seconds, self._window_start = now - self._window_start, now
         tokens_per_s = sum(r.local_tokens for r in records) / seconds
         job_tokens_per_s = sum(r.global_tokens for r in records) / seconds
+        # the share of this rank's wall time spent reading batches (documents, tokenising, packing: every rank
+        # tokenises the whole global batch, docs/data.md), as torchtitan's data_loading(%)
+        data_pct = 100 * sum(r.data_s for r in records) / seconds
         for record in records:
             scalars, last = record.scalars, record is records[-1]
             rows = rows_of({tag: scalars.pop(tag) for tag in [t for t, v in scalars.items() if isinstance(v, list)]})
@@ -555,8 +562,10 @@ class Trainer:
                 scalars["throughput/job_tokens_per_s"] = job_tokens_per_s
                 if self.rank == 0:  # the run folder's: rank 0's own rate, named so
                     scalars.update({"throughput/rank0_tokens_per_s": tokens_per_s,
-                                    "throughput/rank0_tflops": tokens_per_s * self.flops_per_token / 1e12})
-                record.rank_scalars["throughput/rank_tokens_per_s"] = tokens_per_s
+                                    "throughput/rank0_tflops": tokens_per_s * self.flops_per_token / 1e12,
+                                    "throughput/rank0_data_loading_pct": data_pct})
+                record.rank_scalars.update({"throughput/rank_tokens_per_s": tokens_per_s,
+                                            "throughput/rank_data_loading_pct": data_pct})
             self.metrics.log(record.step, scalars, record.rank_scalars)
             if rows:
                 self.metrics.log_image(record.step, IMAGE_TAG, expert_load_image(rows, self.dims.ep))
