@@ -6,7 +6,8 @@ issue-34 targets checked against them, and the test and kernel-check results.
 Rows: the variant (the report's file name), tokens/s timed step by step (a synchronisation around each step) and
 free-running (as training runs), MFU of each, the peak of allocated memory, where the profiled step's GPU time
 went (optimizer kernels, idle, and the idle's three largest parts by what the host was doing: the phase whose
-launch ended each gap, `benchmarks/throughput.py`'s idle_by_host) and the time torch.compile took. Targets, each PASS / FAIL / not run; for a variant
+launch ended each gap, `benchmarks/throughput.py`'s idle_by_host) and the time torch.compile took; then per
+run the three (phase, launching op) pairs with the most idle time. Targets, each PASS / FAIL / not run; for a variant
 without a report (stopped at its time limit, say), what its log says it had compiled (the trainer's torch.compile
 lines, `trainer/compile_times.py`):
   - at the 671B GEMM shapes, compiled: FP8 blockwise and rowwise free-running tokens/s >= 1.15x bf16's
@@ -125,10 +126,24 @@ def tests(folder: str) -> list[str]:
     return lines
 
 
+def idle_ops(reports: dict[str, dict], top: int = 3) -> list[str]:
+    """Per report, the (phase, launching op) pairs that left the GPU idle longest in the profiled step."""
+    lines = []
+    for name, r in reports.items():
+        pairs = ((r.get("gpu_time_split") or {}).get("idle_by_host") or {}).get("by_op", [])[:top]
+        if pairs:
+            lines.append(f"- {name}: " + "; ".join(f"{p['phase']} / {p['op']} {p['ms']:.1f} ms ({p['gaps']} gaps)"
+                                                  for p in pairs))
+    return lines
+
+
 def summary(folder: str) -> str:
-    """The whole table: reports, targets, tests."""
+    """The whole table: reports, idle time by launching op, targets, tests."""
     reports = load_reports(folder)
-    parts = rows(reports) + ["", "Targets (free-running, compiled):"] + targets(reports, folder)
+    parts = rows(reports)
+    if idle := idle_ops(reports):
+        parts += ["", "Longest GPU idle of the profiled step, by the host op whose launch ended it:"] + idle
+    parts += ["", "Targets (free-running, compiled):"] + targets(reports, folder)
     parts += ["", "Tests:"] + (tests(folder) or ["- none run"])
     return "\n".join(parts) + "\n"
 

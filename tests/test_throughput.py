@@ -553,7 +553,9 @@ def test_gpu_summary_checks_the_targets_from_the_reports(tmp_path, monkeypatch):
     def report(name, tokens_per_s, mfu):
         free = {"steps": 10, "seconds": 1.0, "tokens_per_s": tokens_per_s, "mfu": mfu}
         split = {"kernel_s": {"optimizer": 0.02}, "idle_s": 0.004, "idle_by_host": {"by_phase_s": {
-            "forward": 0.0005, "optimizer": 0.002, "step_end": 0.0012, "data": 0.0003, "backward": 0.0}}}
+            "forward": 0.0005, "optimizer": 0.002, "step_end": 0.0012, "data": 0.0003, "backward": 0.0}, "by_op": [
+            {"phase": "optimizer", "op": "triton_poi_fused_0", "ms": 1.5, "gaps": 55},
+            {"phase": "forward", "op": "aten::mm", "ms": 0.5, "gaps": 2}]}}
         (tmp_path / f"{name}.json").write_text(json.dumps({
             "tokens_per_s": tokens_per_s * 0.9, "mfu": mfu * 0.9, "free_running": free,
             "peak_memory_bytes": 3 * 2**30, "gpu_time_split": split,
@@ -575,6 +577,7 @@ def test_gpu_summary_checks_the_targets_from_the_reports(tmp_path, monkeypatch):
     text = summary(str(tmp_path))
     assert "| b671_fp8_blockwise | 1,080 | 1,200 | 43.2% | 48.0% | 3.00 | 20.0 | 4.0 | optimizer 2.0, step_end " \
            "1.2, forward 0.5 | 31.2 |" in text
+    assert "- b16_b4: optimizer / triton_poi_fused_0 1.5 ms (55 gaps); forward / aten::mm 0.5 ms (2 gaps)" in text
     assert "- 671B shapes: FP8 blockwise / bf16 tokens/s >= 1.15: 1.20x PASS" in text
     assert "- 671B shapes: FP8 rowwise / bf16 tokens/s >= 1.15: 1.10x FAIL" in text
     assert "- 16B shapes, compiled B4: MFU >= 55%: 56.0% PASS" in text
