@@ -237,8 +237,9 @@ def idle_by_host(events, window: tuple[float, float], top: int = 10) -> dict:
     charged to the kernel that ends it. If that kernel's launch (the runtime call with its id, `_launches`) had not
     returned when the gap began, the GPU waited for the host to launch it: the gap goes to the launching op's phase
     (as `time_split` finds it) and name. If the launch had returned, the kernel was queued and the device waited on
-    something else (another stream, an event, or its own latency between kernels): "device". The time after the last kernel is "step_end" (the host's bookkeeping up to the
-    closing synchronisation); a kernel without a launch in the profile counts as "unlinked".
+    something else (another stream, an event, or its own latency between kernels): "device". The time after the
+    last kernel is "step_end" (the host's bookkeeping up to the closing synchronisation); a kernel without a launch
+    in the profile counts as "unlinked".
 
     Returns by_phase_s (PHASES plus those three), gaps (count, and over 100 us and over 1 ms), by_op (the `top`
     (phase, launching op) pairs by total gap time: ms and gap count) and largest (the 5 longest gaps: ms, phase and
