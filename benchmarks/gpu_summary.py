@@ -53,9 +53,14 @@ def _ms(split: dict | None, key: str) -> str:
     return "-" if value is None else f"{value * 1e3:.1f}"
 
 
+def _idle_by_host(split: dict | None) -> dict:
+    """A report's `gpu_time_split.idle_by_host`, empty where the report has none (CPU, older reports)."""
+    return (split or {}).get("idle_by_host") or {}
+
+
 def _idle_parts(split: dict | None) -> str:
     """The three largest nonzero parts of the idle time by host phase, "phase ms" each."""
-    parts = (split or {}).get("idle_by_host", {}).get("by_phase_s", {})
+    parts = _idle_by_host(split).get("by_phase_s", {})
     ranked = sorted(((v, k) for k, v in parts.items() if v > 0), reverse=True)[:3]
     return ", ".join(f"{k} {v * 1e3:.1f}" for v, k in ranked) or "-"
 
@@ -130,7 +135,7 @@ def idle_ops(reports: dict[str, dict], top: int = 3) -> list[str]:
     """Per report, the (phase, launching op) pairs that left the GPU idle longest in the profiled step."""
     lines = []
     for name, r in reports.items():
-        pairs = ((r.get("gpu_time_split") or {}).get("idle_by_host") or {}).get("by_op", [])[:top]
+        pairs = _idle_by_host(r.get("gpu_time_split")).get("by_op", [])[:top]
         if pairs:
             lines.append(f"- {name}: " + "; ".join(f"{p['phase']} / {p['op']} {p['ms']:.1f} ms ({p['gaps']} gaps)"
                                                   for p in pairs))

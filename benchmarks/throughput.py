@@ -245,12 +245,9 @@ def idle_by_host(events, window: tuple[float, float], top: int = 10) -> dict:
     (phase, launching op) pairs by total gap time: ms and gap count) and largest (the 5 longest gaps: ms, phase and
     the host path of their launch, `_host_path`).
     """
-    from torch.autograd import DeviceType
-
     lo, hi = window
-    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation
-                      and e.time_range.end / 1e6 > lo and e.time_range.start / 1e6 < hi),
-                     key=lambda e: e.time_range.start)
+    inside = [e for e in _kernel_events(events) if e.time_range.end / 1e6 > lo and e.time_range.start / 1e6 < hi]
+    kernels = sorted(inside, key=lambda e: e.time_range.start)
     launches = _launches(events)
     by_phase = dict.fromkeys(PHASES + ("device", "step_end", "unlinked"), 0.0)
     by_op: dict[tuple[str, str], list] = {}
@@ -300,13 +297,17 @@ def host_op_seconds(events) -> tuple[dict[str, float], float]:
     return measured, total
 
 
-def device_kernels(events) -> list[tuple[str, float, float]]:
-    """(name, start_s, end_s) of every CUDA kernel and copy in the profiled events; not the GPU-side copies of
-    `record_function` ranges (user annotations), which span kernels rather than run any."""
+def _kernel_events(events) -> list:
+    """The profiled events of every CUDA kernel and copy; not the GPU-side copies of `record_function` ranges (user
+    annotations), which span kernels rather than run any."""
     from torch.autograd import DeviceType
 
-    return [(e.name, e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events
-            if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    return [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+
+
+def device_kernels(events) -> list[tuple[str, float, float]]:
+    """(name, start_s, end_s) of every CUDA kernel and copy in the profiled events (`_kernel_events`)."""
+    return [(e.name, e.time_range.start / 1e6, e.time_range.end / 1e6) for e in _kernel_events(events)]
 
 
 def step_window(events) -> tuple[float, float]:
@@ -474,9 +475,10 @@ def run(config_args: list[str], steps: int, warmup: int, gemm_n: int | None) -> 
     split_total = sum(split.values())
     gpu_split = None
     if cuda:
-        gpu_split = gpu_time_split(device_kernels(events), step_window(events))
+        window = step_window(events)
+        gpu_split = gpu_time_split(device_kernels(events), window)
         gpu_split["phase_kernel_s"] = phase_kernel_seconds(events)
-        gpu_split["idle_by_host"] = idle_by_host(events, step_window(events))
+        gpu_split["idle_by_host"] = idle_by_host(events, window)
     if cuda:  # the device's time: kernels, and the step from synchronisation to synchronisation
         kernel_s = gpu_split["kernel_s"]
         measured = {"matmul": kernel_s["gemm"] + kernel_s["grouped_gemm"], "attention": kernel_s["attention"]}
