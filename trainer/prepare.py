@@ -6,6 +6,7 @@ document read) and any checkpoint to resume or load (metadata, file sizes, weigh
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -22,8 +23,9 @@ from trainer import device as devices
 from trainer.checkpoint.files import CheckpointError, latest_checkpoint
 from trainer.checkpoint.manager import saved_loader_state
 from trainer.checkpoint.weights import WeightMismatch, check_checkpoint
-from trainer.data.for_job import build_loader, holds_out
-from trainer.data.loader import PackedDataLoader
+from trainer.data.for_job import build_loader, hold_out_every
+from trainer.data.loader import GlobalOrderLoader
+from trainer.data.pretokenized import PretokenizedLoader
 from trainer.job_config import JobConfig, model_job, validate_job
 from trainer.registry import available_models, get_model_spec
 from trainer.tokenizer import Tokenizer, build_tokenizer
@@ -43,8 +45,8 @@ class Prepared:
     spec: ModelSpec
     model_args: Any
     tokenizer: Tokenizer
-    train_loader: PackedDataLoader
-    val_loader: PackedDataLoader | None
+    train_loader: GlobalOrderLoader
+    val_loader: GlobalOrderLoader | None
     checkpoint_note: str | None = None  # what a partial checkpoint load skips, logged once by rank 0
     auto_layout: str | None = None  # the layout `parallelism.auto` chose, in one line
     batch_note: str | None = None  # a resume keeps its checkpoint's global batch: the line that says so
@@ -90,10 +92,7 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
             raise
         # the user set no model.hf_config_path: the config at fault is the checkpoint's own
         raise ConfigError("checkpoint.initial_load_path", e.problem, e.allowed) from None
-    try:
-        tokenizer = build_tokenizer(cfg.tokenizer.path)
-    except ValueError as e:
-        raise ConfigError("tokenizer.path", str(e))
+    tokenizer = job_tokenizer(cfg)
     if tokenizer.vocab_size > model_args.vocab_size:
         raise ConfigError("tokenizer.path", f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's "
                           f"vocab_size {model_args.vocab_size}", f"a tokenizer with <= {model_args.vocab_size} ids")
@@ -101,12 +100,21 @@ def prepare(cfg: JobConfig, world_size: int, rank: int) -> Prepared:
     global_batch, batch_note = _global_batch(cfg, dims)
     loader_args = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len, global_batch_size=global_batch,
                        dp_rank=dp_rank, dp_degree=dims.dp)
-    hold_out = cfg.validation.hold_out_every if cfg.validation.enable and holds_out(cfg) else 0
+    hold_out = hold_out_every(cfg)
     train_loader = build_loader(cfg, loader_args, hold_out, validation=False)
     val_loader = build_loader(cfg, loader_args, hold_out, validation=True) if cfg.validation.enable else None
     note = _check_checkpoints(cfg, spec, model_args)
+    _check_resumed_position(cfg, train_loader)
     return Prepared(cfg, dims, spec, model_args, tokenizer, train_loader, val_loader, note, auto_layout, batch_note,
                     ac_budget)
+
+
+def job_tokenizer(cfg: JobConfig) -> Tokenizer:
+    """The tokenizer `tokenizer.path` names; a file that is not one is a ConfigError on that key."""
+    try:
+        return build_tokenizer(cfg.tokenizer.path)
+    except ValueError as e:
+        raise ConfigError("tokenizer.path", str(e))
 
 
 def _global_batch(cfg: JobConfig, dims: ParallelDims) -> tuple[int, str | None]:
@@ -200,6 +208,25 @@ def _check_checkpoints(cfg: JobConfig, spec: ModelSpec, model_args) -> str | Non
         hint = _hf_config_hint(cfg) if resume is None and ckpt.initial_load_in_hf else ""
         raise ConfigError("checkpoint", problem + hint)
     return mismatch.note()
+
+
+def _check_resumed_position(cfg: JobConfig, loader: GlobalOrderLoader) -> None:
+    """Fail before launch when the pre-tokenized data cannot hold the resumed checkpoint's data position: it was saved
+    from other documents or another tokenizer (the check loads the position into a copy of the loader)."""
+    if not isinstance(loader, PretokenizedLoader):
+        return
+    try:
+        resume = latest_checkpoint(cfg.checkpoint, cfg.job.dump_folder)
+    except CheckpointError:
+        return  # `_check_checkpoints` reports it
+    state = saved_loader_state(resume) if resume is not None else None
+    if state is None:
+        return
+    try:
+        copy.copy(loader).load_state_dict(state)
+    except ValueError as e:
+        raise ConfigError("dataset.pretokenized", f"resuming {resume}: {e}", "the pre-tokenized folder of the "
+                          "documents and tokenizer the checkpoint trained on")
 
 
 def warn_settings_without_effect(prep: Prepared, device: torch.device) -> None:

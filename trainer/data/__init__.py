@@ -8,6 +8,8 @@ The package, one concern per module:
                 shipped pydoc corpus, Hugging Face datasets (offline unless allow_download); a held-out split
     loader.py   PackedDataLoader: tokenising, packing, each rank's share of the global batch, epochs, its
                 layout-independent state_dict; build_dataloader
+    pretokenized.py  the token files `python -m trainer.pretokenize` writes, and PretokenizedLoader: the same
+                batches and state, each rank reading only its own sequences, memory-mapped
     for_job.py  the job's loaders: which section training and validation read (a held-out part of local files,
                 validation.dataset, a validation split), built and checked before launch, and the job's config
                 key behind a DatasetError

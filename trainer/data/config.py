@@ -25,6 +25,10 @@ class DatasetSection:
     """Let a Hugging Face dataset name be fetched from the Hub. false: Hugging Face runs offline (the shipped
     corpus, local files and datasets already in the local HF cache); an exported HF_HUB_OFFLINE=1 keeps a run
     offline even when true."""
+    pretokenized: str = ""
+    """A folder written by `python -m trainer.pretokenize` for this config: training and validation then read its
+    token files, each rank only its own sequences, instead of tokenizing the documents. Empty: tokenize as they are
+    read."""
 
     def check(self) -> list[ConfigError]:
         """Settings of this section that contradict each other."""

@@ -1,6 +1,6 @@
 """The job's loaders: which `[dataset]` section the training and the validation loader read, each built and its
-first document read before launch, and the job's config key behind a DatasetError (`dataset.*` or
-`validation.*`)."""
+first document read before launch (or its pre-tokenized split opened and checked against the job), and the job's
+config key behind a DatasetError (`dataset.*` or `validation.*`)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,22 @@ import os
 
 from core.config import ConfigError
 from trainer.data.config import DatasetError
-from trainer.data.loader import build_dataloader
+from trainer.data.loader import GlobalOrderLoader, build_dataloader
+from trainer.data.pretokenized import (PretokenizedLoader, PretokenizedSplitError, open_split, read_meta,
+                                       tokenizer_identity)
 from trainer.data.sources import has_documents
 from trainer.job_config import JobConfig
+from trainer.tokenizer import resolve_path
 
 
 def holds_out(cfg: JobConfig) -> bool:
     """Whether validation reads a held-out part of the training files: local files have no "validation" split."""
     return bool(cfg.dataset.path) and not cfg.validation.dataset and cfg.validation.split == "validation"
+
+
+def hold_out_every(cfg: JobConfig) -> int:
+    """Every how many training documents one goes to validation (`holds_out`), or 0: none is held out."""
+    return cfg.validation.hold_out_every if cfg.validation.enable and holds_out(cfg) else 0
 
 
 def validation_dataset(cfg: JobConfig):
@@ -45,9 +53,19 @@ def data_key(cfg: JobConfig, key: str, validation: bool) -> str:
     return f"dataset.{key}"
 
 
-def build_loader(cfg: JobConfig, loader_args: dict, hold_out: int, validation: bool):
+def documents_origin(cfg: JobConfig, hold_out: int, validation: bool) -> dict:
+    """The settings that choose the training or the validation documents, as a pre-tokenized folder records them."""
+    ds = validation_dataset(cfg) if validation else cfg.dataset
+    return {"dataset": str(resolve_path(ds.path).resolve()) if ds.path else ds.name, "split": ds.split or "train",
+            "text_field": ds.text_field, "hold_out_every": hold_out, "held_out": bool(hold_out) and validation}
+
+
+def build_loader(cfg: JobConfig, loader_args: dict, hold_out: int, validation: bool) -> GlobalOrderLoader:
     """The training or validation loader, its first document read so that a wrong text field, an unknown dataset
-    or an empty split fails before launch; a DatasetError becomes a ConfigError naming the key at fault."""
+    or an empty split fails before launch; a DatasetError becomes a ConfigError naming the key at fault. With
+    `dataset.pretokenized`, the folder's split, checked against this job's tokenizer and documents."""
+    if cfg.dataset.pretokenized:
+        return _pretokenized_loader(cfg, loader_args, hold_out, validation)
     ds = validation_dataset(cfg) if validation else cfg.dataset
     try:
         loader = build_dataloader(ds, **loader_args, hold_out_every=hold_out, held_out=validation)
@@ -63,6 +81,20 @@ def build_loader(cfg: JobConfig, loader_args: dict, hold_out: int, validation: b
         raise ConfigError("validation.hold_out_every", f"{problem} (the files hold fewer than {hold_out})",
                           "at most the number of documents, a validation.dataset, or validation.enable = false")
     raise ConfigError(data_key(cfg, "path" if ds.path else "name", validation), problem)
+
+
+def _pretokenized_loader(cfg: JobConfig, loader_args: dict, hold_out: int, validation: bool) -> PretokenizedLoader:
+    args = dict(loader_args)
+    tokenizer = tokenizer_identity(cfg.tokenizer.path, args.pop("tokenizer"))
+    folder = resolve_path(cfg.dataset.pretokenized)
+    try:
+        stream = open_split(folder, read_meta(folder), "validation" if validation else "train",
+                            documents_origin(cfg, hold_out, validation), tokenizer)
+    except PretokenizedSplitError as e:
+        config = f"--job.config_file {cfg.job.config_file} " if cfg.job.config_file else ""
+        raise ConfigError("dataset.pretokenized", str(e), f"a folder written for this job (`python -m "
+                          f"trainer.pretokenize {config}[overrides] --force`), or \"\" to tokenize as training reads")
+    return PretokenizedLoader(stream, **args)
 
 
 @contextlib.contextmanager

@@ -8,9 +8,11 @@ The rule (see docs/data.md):
 * step ``k`` consumes the global batch of sequences ``[k*G, (k+1)*G)`` (``G`` = global batch size);
   data-parallel rank ``r`` of ``D`` keeps the contiguous slice ``[r*G/D, (r+1)*G/D)``.
 
-Every rank reads and tokenizes the whole stream and drops what other ranks train on, so the
-sequences of a step are the same for any DP degree or gradient-accumulation split, and the
-loader state is global: a checkpoint resumes on any number of ranks.
+``PackedDataLoader`` tokenizes as it reads: every rank reads and tokenizes the whole stream and drops what other
+ranks train on. ``trainer.data.pretokenized.PretokenizedLoader`` reads the same stream from token files written
+once, each rank only its own slice. Either way the sequences of a step are the same for any DP degree or
+gradient-accumulation split, and the loader state is global and the same for both: a checkpoint resumes on any
+number of ranks, with either loader.
 """
 
 from __future__ import annotations
@@ -27,16 +29,51 @@ from trainer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-class PackedDataLoader:
-    """Yields this rank's share of each global batch of packed sequences; checkpointable.
+class GlobalOrderLoader:
+    """What every loader of the global order shares: the layout of the global batch over the data-parallel ranks,
+    and the checks of a saved position. Subclasses hold the stream position and yield the batches.
 
     Args:
-        source: the documents, in their global order.
-        tokenizer: supplies the token ids, BOS and EOS.
         seq_len: tokens per training sequence (each sequence reads ``seq_len + 1`` tokens).
         global_batch_size: sequences per optimizer step over all data-parallel ranks.
         dp_rank: this rank's index among the data-parallel ranks.
         dp_degree: number of data-parallel ranks; must divide ``global_batch_size``.
+    """
+
+    def __init__(self, seq_len: int, global_batch_size: int, dp_rank: int, dp_degree: int) -> None:
+        if seq_len < 1 or global_batch_size < 1:
+            raise ValueError(f"seq_len ({seq_len}) and global_batch_size ({global_batch_size}) must be positive")
+        if not 0 <= dp_rank < dp_degree:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_degree={dp_degree})")
+        if global_batch_size % dp_degree:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} is not divisible by the data-parallel degree {dp_degree}"
+            )
+        self.seq_len = seq_len
+        self.global_batch_size = global_batch_size
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+        self.local_batch_size = global_batch_size // dp_degree
+
+    def _check_saved(self, state_dict: dict[str, Any]) -> None:
+        """Refuse a state without the position's keys; log (rank 0) a global batch that differs from the saved one."""
+        missing = {"epoch", "doc_index", "sequences_consumed", "buffer"} - set(state_dict)
+        if missing:
+            raise ValueError(f"data loader state lacks {', '.join(sorted(missing))}")
+        saved_batch = state_dict.get("global_batch_size", self.global_batch_size)  # states before it: unknown
+        if saved_batch != self.global_batch_size and self.dp_rank == 0:
+            logger.info("data: the checkpoint was trained with %d sequences per step, this run trains with %d "
+                        "(training.global_batch_size)", saved_batch, self.global_batch_size)
+
+
+class PackedDataLoader(GlobalOrderLoader):
+    """Yields this rank's share of each global batch of packed sequences, tokenizing the documents as it reads them;
+    checkpointable.
+
+    Args:
+        source: the documents, in their global order.
+        tokenizer: supplies the token ids, BOS and EOS.
+        seq_len, global_batch_size, dp_rank, dp_degree: see ``GlobalOrderLoader``.
 
     When the documents run out the stream restarts from the first document (``epoch`` += 1);
     tokens left over from the previous pass carry into the next, so no token is dropped.
@@ -51,21 +88,9 @@ class PackedDataLoader:
         dp_rank: int,
         dp_degree: int,
     ) -> None:
-        if seq_len < 1 or global_batch_size < 1:
-            raise ValueError(f"seq_len ({seq_len}) and global_batch_size ({global_batch_size}) must be positive")
-        if not 0 <= dp_rank < dp_degree:
-            raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_degree={dp_degree})")
-        if global_batch_size % dp_degree:
-            raise ValueError(
-                f"global_batch_size {global_batch_size} is not divisible by the data-parallel degree {dp_degree}"
-            )
+        super().__init__(seq_len, global_batch_size, dp_rank, dp_degree)
         self.source = source
         self.tokenizer = tokenizer
-        self.seq_len = seq_len
-        self.global_batch_size = global_batch_size
-        self.dp_rank = dp_rank
-        self.dp_degree = dp_degree
-        self.local_batch_size = global_batch_size // dp_degree
 
         # Global stream position: everything a resume needs, identical on every rank.
         self.epoch = 0
@@ -101,13 +126,7 @@ class PackedDataLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict`` (possibly saved with another DP degree, rank or global batch: the stream
         goes on from the same sequence, and a changed global batch is logged)."""
-        missing = {"epoch", "doc_index", "sequences_consumed", "buffer"} - set(state_dict)
-        if missing:
-            raise ValueError(f"data loader state lacks {', '.join(sorted(missing))}")
-        saved_batch = state_dict.get("global_batch_size", self.global_batch_size)  # states before it: unknown
-        if saved_batch != self.global_batch_size and self.dp_rank == 0:
-            logger.info("data: the checkpoint was trained with %d sequences per step, this run trains with %d "
-                        "(training.global_batch_size)", saved_batch, self.global_batch_size)
+        self._check_saved(state_dict)
         self.epoch = int(state_dict["epoch"])
         self.doc_index = int(state_dict["doc_index"])
         self.sequences_consumed = int(state_dict["sequences_consumed"])
