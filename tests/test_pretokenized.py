@@ -150,14 +150,28 @@ def test_pretokenize_writes_the_jobs_splits_and_the_job_reads_the_same_batches(t
 
 
 def test_pretokenize_refuses_in_one_line_and_leaves_nothing_behind(tmp_path, capsys):
-    """No folder named, an existing folder without --force, a document further in that lacks the text field: exit
-    code 2, one line naming the key, and no folder (nor a partial one) on disk; --force replaces a folder whole."""
+    """Exit code 2, one line naming the key, and nothing new on disk (neither the folder, nor a partial one, nor the
+    parents it made) for: no folder named, a bad --workers, a section check, an output that is a file, under a
+    file, an existing folder without --force, a folder the command did not write (--force replaces only those), a
+    document further in that lacks the text field. --force keeps the old folder whole when the new one fails."""
     data = _corpus(tmp_path, [*DOCS[:8], {"content": "no text field"}, *DOCS[8:]], "bad.jsonl")
     job = _job(tmp_path, data)
     assert _refused(job, capsys) == ("config error: --output: no folder to write: neither --output nor "
                                      "dataset.pretokenized is set; allowed: a folder path")
     out = tmp_path / "out"
-    line = _refused([*job, "--output", str(out), "--workers", "2"], capsys)
+    assert _refused([*job, "--output", str(out), "--workers", "x"], capsys) == (
+        "config error: --workers: 'x'; allowed: a whole number, 1 or more")
+    assert _refused([*job, "--output", str(out), "--dataset.name", "", "--dataset.path", ""], capsys) == (
+        "config error: dataset.name: empty and dataset.path is empty too; allowed: a dataset name or a dataset.path")
+    assert _refused([*job, "--output", str(data)], capsys) == (
+        f"config error: --output: {data} is a link or a file; allowed: a new folder, or one this command wrote")
+    assert _refused([*job, "--output", str(data / "x")], capsys) == (
+        f"config error: --output: {data / 'x'} cannot be made: {data} is not a writable folder; allowed: a path under "
+        "a writable folder")
+    assert _refused([*job, "--output", ".", "--force"], capsys) == (  # the checkout, not deleted
+        f"config error: --output: {Path.cwd()} is not a folder this command wrote (no meta.json): --force replaces only "
+        "those; allowed: a new folder, or one this command wrote")
+    line = _refused([*job, "--output", str(tmp_path / "a" / "b" / "out"), "--workers", "2"], capsys)
     assert line.startswith("config error: dataset.text_field: ") and line.endswith("bad.jsonl line 9 (document 8)")
     assert list(tmp_path.iterdir()) == [data]
 
@@ -168,7 +182,27 @@ def test_pretokenize_refuses_in_one_line_and_leaves_nothing_behind(tmp_path, cap
     before = (out / "train.tokens").read_bytes()
     _refused([*job, "--output", str(out), "--force", "--workers", "1"], capsys)
     assert (out / "train.tokens").read_bytes() == before
+    pretokenize([*_job(tmp_path, good, "--validation.enable", "false"), "--output", str(out), "--force",
+                 "--workers", "1"])
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.ends", "train.tokens"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "corpus.jsonl", "out"]
+
+
+def test_a_folder_written_meanwhile_is_never_replaced_without_force(tmp_path, tok):
+    """Two writers of one folder: the one that finishes second fails and leaves the first one's folder as it was."""
+    folder = tmp_path / "tokens"
+    identity = {"path": TOKENIZER, "sha256": "-", "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+                "vocab_size": tok.vocab_size}
+
+    def documents():
+        yield np.asarray(tok.encode("first", bos=True, eos=True), dtype=np.uint32)
+        folder.mkdir()
+        (folder / "theirs.txt").write_text("the other writer's")
+        yield np.asarray(tok.encode("second", bos=True, eos=True), dtype=np.uint32)
+
+    with pytest.raises(FileExistsError, match="exists"):
+        write_folder(folder, identity, {"train": ({}, documents())})
+    assert [p.name for p in tmp_path.iterdir()] == ["tokens"] and [p.name for p in folder.iterdir()] == ["theirs.txt"]
 
 
 def test_a_folder_that_does_not_fit_the_job_is_refused_before_launch(tmp_path, capsys):
@@ -191,6 +225,15 @@ def test_a_folder_that_does_not_fit_the_job_is_refused_before_launch(tmp_path, c
 
     assert f"{out}'s train split was written from hold_out_every 0, this run's is 5" in refused()
     assert f"{out} has no validation split (it holds train)" in refused("--validation.dataset", str(data))
+    # a folder with a local validation.dataset needs neither file at hand to train
+    val = _corpus(tmp_path, DOCS[:5], "val.jsonl")
+    with_val = _job(tmp_path, data, "--validation.dataset", str(val))
+    pretokenize([*with_val, "--output", str(tmp_path / "with_val"), "--workers", "1"])
+    capsys.readouterr()
+    val.unlink()
+    data.rename(tmp_path / "moved.jsonl")
+    preflight([*with_val, "--dataset.pretokenized", str(tmp_path / "with_val")])
+    (tmp_path / "moved.jsonl").rename(data)
     assert f"{out}'s train split was written from text_field 'text', this run's is 'body'" in refused(
         "--validation.enable", "false", "--dataset.text_field", "body")
     written = (out / "meta.json").read_text()

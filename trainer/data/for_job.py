@@ -54,10 +54,23 @@ def data_key(cfg: JobConfig, key: str, validation: bool) -> str:
 
 
 def documents_origin(cfg: JobConfig, hold_out: int, validation: bool) -> dict:
-    """The settings that choose the training or the validation documents, as a pre-tokenized folder records them."""
-    ds = validation_dataset(cfg) if validation else cfg.dataset
-    return {"dataset": str(resolve_path(ds.path).resolve()) if ds.path else ds.name, "split": ds.split or "train",
-            "text_field": ds.text_field, "hold_out_every": hold_out, "held_out": bool(hold_out) and validation}
+    """The settings that choose the training or the validation documents, as a pre-tokenized folder records them.
+
+    Taken from the keys as set, not from the files: a run from the folder may not have the documents at hand (a
+    local `validation.dataset` that is missing would otherwise count as a Hugging Face name)."""
+    ds = cfg.dataset
+    dataset, split = (_source(ds.path) if ds.path else ds.name), ds.split or "train"
+    if validation:
+        dataset = _source(cfg.validation.dataset) if cfg.validation.dataset else dataset
+        split = cfg.validation.split
+    return {"dataset": dataset, "split": split, "text_field": ds.text_field, "hold_out_every": hold_out,
+            "held_out": bool(hold_out) and validation}
+
+
+def _source(name_or_path: str) -> str:
+    """A dataset path as an absolute path (where it exists, or was given absolute), else the name as given."""
+    resolved = resolve_path(name_or_path)
+    return os.path.abspath(resolved) if resolved.exists() or resolved.is_absolute() else name_or_path
 
 
 def build_loader(cfg: JobConfig, loader_args: dict, hold_out: int, validation: bool) -> GlobalOrderLoader:

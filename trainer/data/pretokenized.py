@@ -19,8 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -56,28 +56,43 @@ def write_folder(folder: Path, tokenizer: dict[str, Any], splits: dict[str, tupl
                  force: bool = False) -> dict[str, Any]:
     """Write ``splits`` ({name: (origin, each document's ids)}) into ``folder`` and return its meta.
 
-    The files are written into a sibling folder and renamed into place at the end, so an error or an interrupt
-    leaves nothing at ``folder``, and an existing ``folder`` (replaced only with ``force``) stays whole until then.
+    The files are written into a hidden sibling folder that is renamed into place at the end, so an error or an
+    interrupt leaves nothing at ``folder`` (and removes the parents this call made). An existing ``folder`` is never
+    touched without ``force`` (another writer's, finished meanwhile, included); with ``force`` it is moved aside in
+    one rename, then deleted, so ``folder`` is always a whole folder, old or new.
     """
-    if folder.exists() and not force:
-        raise FileExistsError(f"{folder} exists")
+    made = next((p for p in reversed(folder.parents) if not p.exists()), None)  # the first parent this call makes
     folder.parent.mkdir(parents=True, exist_ok=True)
-    partial = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
+    partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
     try:
         dtype = token_dtype(tokenizer["vocab_size"])
         meta: dict[str, Any] = {"format": FORMAT, "tokenizer": tokenizer, "splits": {}}
         for name, (origin, documents) in splits.items():
             meta["splits"][name] = {"origin": origin, "dtype": dtype, **_write_split(partial, name, documents, dtype)}
         (partial / META).write_text(json.dumps(meta, indent=2) + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        partial.rename(folder)
+        _move_into_place(partial, folder, force)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
         raise
     return meta
+
+
+def _move_into_place(partial: Path, folder: Path, force: bool) -> None:
+    old = None
+    if force and folder.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+        folder.rename(old / folder.name)
+    try:
+        partial.rename(folder)  # refused when folder exists and holds anything
+    except OSError as e:
+        if old is not None:
+            (old / folder.name).rename(folder)
+            old.rmdir()
+        raise FileExistsError(f"{folder} exists (written meanwhile?): {e.strerror}") from None
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def _write_split(folder: Path, name: str, documents: Iterable[np.ndarray], dtype: str) -> dict[str, int]:

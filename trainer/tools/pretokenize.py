@@ -9,8 +9,8 @@ that folder trains on exactly the batches it would tokenize itself, but each ran
 (docs/data.md). The stream does not depend on `training.seq_len` or the batch: one folder serves them all.
 
 `--workers` processes tokenize (default: the CPU count); the output is the same for any number. The folder appears
-only when complete: an error or an interrupt leaves nothing behind. A config or dataset mistake ends with one line
-and exit code 2. Prints a JSON summary: documents, tokens and bytes per split, seconds, tokens/s.
+only when complete: an error or an interrupt leaves nothing behind, and `--force` replaces only a folder this command
+wrote. A config, dataset or output mistake ends with one line and exit code 2, most of them before any tokenizing. Prints a JSON summary: documents, tokens and bytes per split, seconds, tokens/s.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from core.config import ConfigError, run_with_config_errors
+from core.config import ConfigError, check_fields, check_sections, run_with_config_errors
 from trainer.data.config import DatasetError
 from trainer.data.for_job import build_loader, data_key, documents_origin, hold_out_every
-from trainer.data.pretokenized import tokenizer_identity, write_folder
+from trainer.data.pretokenized import META, tokenizer_identity, write_folder
 from trainer.data.sources import DocumentSource
 from trainer.job_config import load_command_config
 from trainer.prepare import job_tokenizer
@@ -86,6 +86,27 @@ class _Split:
                       f"{self.tokens / (last - start):,.0f} tokens/s", file=sys.stderr, flush=True)
 
 
+def _output_folder(path: str, force: bool) -> Path:
+    """The folder to write, refused before any tokenizing when it cannot be: none named, a file or a link, an existing
+    folder without --force, one this command did not write (--force replaces only those), no writable parent."""
+    if not path:
+        raise ConfigError("--output", "no folder to write: neither --output nor dataset.pretokenized is set",
+                          "a folder path")
+    folder = Path(os.path.abspath(Path(path).expanduser()))
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise ConfigError("--output", f"{folder} is a link or a file", "a new folder, or one this command wrote")
+    if folder.exists() and not force:
+        raise ConfigError("--output", f"{folder} exists", "a new folder, or --force to replace it")
+    if folder.exists() and not (folder / META).is_file():
+        raise ConfigError("--output", f"{folder} is not a folder this command wrote (no {META}): --force replaces "
+                          "only those", "a new folder, or one this command wrote")
+    ancestor = next(p for p in folder.parents if p.exists())
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError("--output", f"{folder} cannot be made: {ancestor} is not a writable folder",
+                          "a path under a writable folder")
+    return folder
+
+
 def main(argv: list[str]) -> dict:
     """Write the folder for the job of `argv`; returns (and prints) the summary."""
     parser = argparse.ArgumentParser(prog="python -m trainer.pretokenize", allow_abbrev=False,
@@ -93,18 +114,16 @@ def main(argv: list[str]) -> dict:
                                      epilog="Every other argument is the trainer's: --job.config_file F and "
                                             "--section.key value overrides (see python -m trainer.train --help).")
     parser.add_argument("--output", default="", help="the folder to write (default: dataset.pretokenized)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
-    parser.add_argument("--force", action="store_true", help="replace the folder if it exists")
+    parser.add_argument("--workers", default=str(os.cpu_count() or 1), help="tokenizing processes (default: the CPUs)")
+    parser.add_argument("--force", action="store_true", help="replace a folder this command wrote before")
     args, rest = parser.parse_known_args(argv)
     cfg = load_command_config(rest)
-    if not (args.output or cfg.dataset.pretokenized):
-        raise ConfigError("--output", "no folder to write: neither --output nor dataset.pretokenized is set",
-                          "a folder path")
-    folder = Path(args.output or cfg.dataset.pretokenized).expanduser()
-    if args.workers < 1:
-        raise ConfigError("--workers", f"{args.workers}", "1 or more")
-    if folder.exists() and not args.force:
-        raise ConfigError("--output", f"{folder} exists", "a new folder, or --force to replace it")
+    check_fields(cfg)
+    check_sections(cfg)
+    if not args.workers.isdigit() or int(args.workers) < 1:
+        raise ConfigError("--workers", f"{args.workers!r}", "a whole number, 1 or more")
+    workers = int(args.workers)
+    folder = _output_folder(args.output or cfg.dataset.pretokenized, args.force)
     cfg = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, pretokenized=""))
     tokenizer = job_tokenizer(cfg)
     loader_args = dict(tokenizer=tokenizer, seq_len=1, global_batch_size=1, dp_rank=0, dp_degree=1)
@@ -112,11 +131,14 @@ def main(argv: list[str]) -> dict:
     names = ["train", "validation"] if cfg.validation.enable else ["train"]
     sources = {name: build_loader(cfg, loader_args, hold_out, name == "validation").source for name in names}
     start = time.perf_counter()
-    pool = multiprocessing.Pool(args.workers, _start_worker, (cfg.tokenizer.path,)) if args.workers > 1 else None
+    pool = multiprocessing.Pool(workers, _start_worker, (cfg.tokenizer.path,)) if workers > 1 else None
     try:
         splits = {name: (documents_origin(cfg, hold_out, name == "validation"),
-                         _Split(cfg, name, source, tokenizer, pool, args.workers)) for name, source in sources.items()}
-        meta = write_folder(folder, tokenizer_identity(cfg.tokenizer.path, tokenizer), splits, force=args.force)
+                         _Split(cfg, name, source, tokenizer, pool, workers)) for name, source in sources.items()}
+        try:
+            meta = write_folder(folder, tokenizer_identity(cfg.tokenizer.path, tokenizer), splits, force=args.force)
+        except FileExistsError as e:
+            raise ConfigError("--output", str(e), "a new folder, or --force to replace it")
     finally:
         if pool is not None:
             pool.terminate()
@@ -126,7 +148,7 @@ def main(argv: list[str]) -> dict:
         "output": str(folder),
         "splits": {name: {key: split[key] for key in ("documents", "tokens", "dtype")} | {
             "bytes": split["tokens"] * np.dtype(split["dtype"]).itemsize} for name, split in meta["splits"].items()},
-        "workers": args.workers,
+        "workers": workers,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds),
     }
