@@ -286,3 +286,23 @@ def test_training_resumes_across_the_two_loaders_and_refuses_a_folder_of_other_d
                            "data loader state (epoch 0, document "), line
     assert "does not fit" in line and line.endswith("allowed: the pre-tokenized folder of the documents and "
                                                     "tokenizer the checkpoint trained on"), line
+
+
+def test_preflight_suggests_pre_tokenized_data_from_a_million_tokens_a_step(tmp_path, capsys):
+    """Tokenizing as it reads with 4096 sequences of 257 tokens a step (1,052,672 tokens): preflight says so in one
+    line with the command; 4080 sequences (1,048,560), or the same batch from a pre-tokenized folder: no line."""
+    from trainer.tools.preflight import main as preflight
+
+    base = ["--training.seq_len", "256", "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path)]
+    preflight([*base, "--training.global_batch_size", "4096"])
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "data: every rank tokenizes the whole global batch, 1,052,672 tokens a step (4096 sequences of 257), whatever "
+        "the data-parallel degree; tokenize once (.venv/bin/python -m trainer.pretokenize [this job's config args] "
+        "--output DIR) and train with --dataset.pretokenized DIR, so that each rank reads only its own sequences "
+        "(docs/data.md#pre-tokenized-data)")
+    preflight([*base, "--training.global_batch_size", "4080"])
+    assert "tokenizes the whole global batch" not in capsys.readouterr().out
+    pretokenize([*base, "--output", str(tmp_path / "pydoc"), "--workers", "1"])
+    capsys.readouterr()
+    preflight([*base, "--training.global_batch_size", "4096", "--dataset.pretokenized", str(tmp_path / "pydoc")])
+    assert "tokenizes the whole global batch" not in capsys.readouterr().out

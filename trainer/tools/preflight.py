@@ -14,6 +14,7 @@ import dataclasses
 import sys
 
 from core.config import ConfigError, run_with_config_errors
+from trainer.data.loader import GlobalOrderLoader, PackedDataLoader
 from trainer.device import device_type
 from trainer.tools.dry_run import print_report, report
 from trainer.job_config import load_command_config
@@ -34,9 +35,9 @@ def main(argv: list[str]) -> None:
     if prep.auto_layout is not None:
         print(prep.auto_layout)
     cfg = prep.cfg
-    note = fp8_speed_note(cfg, world_size, device_type())
-    if note is not None:
-        print(note)
+    for note in (fp8_speed_note(cfg, world_size, device_type()), data_loading_note(prep.train_loader)):
+        if note is not None:
+            print(note)
     if cfg.job.print_config:
         # the budget's lines as the config's closing comments: the output stays a config file
         print(prep.config_text(), end="")
@@ -46,6 +47,25 @@ def main(argv: list[str]) -> None:
     if cfg.parallelism.dry_run:
         print_report(report(cfg, world_size), world_size, cfg)
         sys.exit(NOTHING_TO_LAUNCH)
+
+
+TOKENIZING_NOTE_TOKENS = 1 << 20
+"""Tokens per global batch from which preflight suggests pre-tokenized data: tokenizing as it reads, every rank
+tokenizes the whole batch, about 0.4-0.5 s a step at the 2.0-2.6 M tokens/s of one CPU core (docs/data.md)."""
+
+
+def data_loading_note(loader: GlobalOrderLoader) -> str | None:
+    """One line when the training loader tokenizes as it reads and a global batch holds at least
+    `TOKENIZING_NOTE_TOKENS` tokens, saying how many and how to read pre-tokenized data instead; None otherwise."""
+    if not isinstance(loader, PackedDataLoader):
+        return None
+    tokens = loader.global_batch_size * (loader.seq_len + 1)
+    if tokens < TOKENIZING_NOTE_TOKENS:
+        return None
+    return (f"data: every rank tokenizes the whole global batch, {tokens:,} tokens a step ({loader.global_batch_size} "
+            f"sequences of {loader.seq_len + 1}), whatever the data-parallel degree; tokenize once (.venv/bin/python "
+            "-m trainer.pretokenize [this job's config args] --output DIR) and train with --dataset.pretokenized DIR, "
+            "so that each rank reads only its own sequences (docs/data.md#pre-tokenized-data)")
 
 
 def fp8_speed_note(cfg, world_size: int, device: str) -> str | None:
