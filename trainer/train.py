@@ -545,8 +545,8 @@ class Trainer:
         seconds, self._window_start = now - self._window_start, now
         tokens_per_s = sum(r.local_tokens for r in records) / seconds
         job_tokens_per_s = sum(r.global_tokens for r in records) / seconds
-        # the share of this rank's wall time spent reading batches (documents, tokenising, packing: every rank
-        # tokenises the whole global batch, docs/data.md), as torchtitan's data_loading(%)
+        # the share of this rank's wall time spent reading batches (tokenising as it reads, every rank tokenises the
+        # whole global batch; pre-tokenized, only its own sequences: docs/data.md), as torchtitan's data_loading(%)
         data_pct = 100 * sum(r.data_s for r in records) / seconds
         for record in records:
             scalars, last = record.scalars, record is records[-1]

@@ -196,18 +196,18 @@ class PretokenizedLoader(GlobalOrderLoader):
         start = self.position + self.dp_rank * self.local_batch_size * need
         batch = torch.from_numpy(self.stream.read(start, start + self.local_batch_size * need))
         batch = batch.view(self.local_batch_size, need)
-        epoch = self._epoch()
+        epoch = self._epoch(self.stream.documents_to(self.position)) if self.dp_rank == 0 else 0
         self.position += self.global_batch_size * need
         self.sequences_consumed += self.global_batch_size
-        if self._epoch() > epoch and self.dp_rank == 0:
-            logger.info("data: %s exhausted, starting epoch %d", self.description, self._epoch())
+        if self.dp_rank == 0 and (now := self._epoch(self.stream.documents_to(self.position))) > epoch:
+            logger.info("data: %s exhausted, starting epoch %d", self.description, now)
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     def state_dict(self) -> dict[str, Any]:
         """The state ``PackedDataLoader`` would save at this position: the documents read (``epoch`` passes and
         ``doc_index`` of the current one), the tokens read but not yet cut (``buffer``) and the global batch."""
         read = self.stream.documents_to(self.position)
-        epoch = self._epoch()
+        epoch = self._epoch(read)
         return {
             "epoch": epoch,
             "doc_index": read - epoch * self.stream.n_documents,
@@ -232,8 +232,9 @@ class PretokenizedLoader(GlobalOrderLoader):
         self.position = position
         self.sequences_consumed = int(state_dict["sequences_consumed"])
 
-    def _epoch(self) -> int:
-        return max(self.stream.documents_to(self.position) - 1, 0) // self.stream.n_documents
+    def _epoch(self, read: int) -> int:
+        """The pass a loader that has read ``read`` documents is in (the first document of a pass starts it)."""
+        return max(read - 1, 0) // self.stream.n_documents
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
