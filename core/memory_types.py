@@ -19,7 +19,9 @@ class Item:
     name: str
     nbytes: int
     saved: bool  # kept for backward when the block is not checkpointed
-    op: str  # producing op as named in `save_ops` ("input", "other": ops no policy saves)
+    # producing op as named in `save_ops` ("input"; "other": ops no policy saves; "routing": what an EP dispatch
+    # received that its recompute reuses, kept under AC by backends that do, `TokenDispatcher.recompute_reuses_routing`)
+    op: str
     flops: int = 0  # forward FLOPs of the op that produces it (matmuls and attention; 0 for the rest)
 
 

@@ -1,14 +1,26 @@
-"""Whether the forward running now is an activation-checkpoint recompute, for work done once per forward.
+"""Activation-checkpoint recompute as the code inside a checkpointed forward sees it.
 
-A module that updates statistics in its forward (the MoE's token counts) must not update them again when
-activation checkpointing recomputes that forward in backward. The test lives here, not in the parallelisms: it
-must hold whoever checkpoints the module (the trainer's `apply_ac`, or a user's `torch.utils.checkpoint`), so it
-asks the autograd engine, not the checkpointing code.
+Two contracts:
+  * `in_recompute()`: whether the forward running now is a recompute, for work done once per forward. A module that
+    updates statistics in its forward (the MoE's token counts) must not update them again in backward. It asks the
+    autograd engine, not the checkpointing code, so it holds whoever checkpoints the module (the trainer's
+    `apply_ac`, or a user's `torch.utils.checkpoint`).
+  * `RecomputeMemo` with `record` / `replay`: what a checkpointed forward worked out on the host (a token exchange's
+    layout), handed to its own recompute, so that the recompute neither waits for the device nor communicates to
+    work it out again. The checkpointing code (`parallelisms/activation_checkpoint/policy.py`) owns one memo per
+    checkpointed call and makes it current in each pass; without it (a user's plain `torch.utils.checkpoint`),
+    `replay` returns None and the caller computes as in a forward.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
+from typing import Any
+
 import torch
+
+__all__ = ["RecomputeMemo", "in_recompute", "record", "replay"]
 
 
 def in_recompute() -> bool:
@@ -23,3 +35,79 @@ def in_recompute() -> bool:
     if torch.compiler.is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
+
+
+class RecomputeMemo:
+    """Values one checkpointed call's forward recorded for its recompute, replayed in the forward's order.
+
+    Only the ops that the recompute will run again keep what they offer: the checkpointing code passes on its
+    policy's decision for each op (`decide`), so an op whose outputs selective checkpointing saves keeps nothing,
+    and the ops that do run again find their own values in order. The memo belongs to the call's checkpoint
+    contexts, which the autograd graph holds until its backward ran or it is dropped: nothing recorded outlives
+    the graph, and a replayed value leaves the memo at once.
+    """
+
+    def __init__(self) -> None:
+        self._entries: collections.deque[tuple[Any, Any]] = collections.deque()
+        self._offered: tuple[Any, Any] | None = None  # what the op that just ran offered, until the policy decides
+        self._recompute_next: bool | None = None  # the decision for the op about to run (a policy asked before it)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def decide(self, recomputed: bool, op_ran: bool) -> None:
+        """The policy's decision for one op of the forward: whether the recompute runs it again. torch's SAC asks
+        the policy after the op ran (`op_ran`, torch >= 2.12: it shows the policy the output) or before."""
+        if op_ran:
+            offered, self._offered = self._offered, None
+            if offered is not None and recomputed:
+                self._entries.append(offered)
+        else:
+            self._recompute_next = recomputed
+
+    def _offer(self, key: Any, value: Any) -> None:
+        if self._recompute_next is None:
+            self._offered = (key, value)  # the policy decides after this op
+        elif self._recompute_next:
+            self._entries.append((key, value))
+
+    def activate(self, recording: bool) -> tuple | None:
+        """Make this memo current on this thread for one pass (the forward records, the recompute replays);
+        returns what was current, for `deactivate`."""
+        previous = getattr(_current, "pass_", None)
+        _current.pass_ = (self, recording)
+        return previous
+
+    @staticmethod
+    def deactivate(previous: tuple | None) -> None:
+        """Restore what `activate` returned (passes nest: a checkpointed module inside another's pass)."""
+        _current.pass_ = previous
+
+
+_current = threading.local()
+
+
+def record(key: Any, value: Any) -> None:
+    """In the forward pass of a checkpointed call, keep `value` for the recompute of the op running now, if the
+    recompute will run that op again; a no-op anywhere else. `key` names what the value is for (the op and its
+    input shapes): `replay` hands the value only to a call with the same key."""
+    pass_ = getattr(_current, "pass_", None)
+    if pass_ is not None and pass_[1]:
+        pass_[0]._offer(key, value)
+
+
+def replay(key: Any) -> Any | None:
+    """In a recompute, the value the forward recorded for this op (the next one recorded, if its key is `key`);
+    None anywhere else, or when the forward recorded none. A different key means this recompute does not follow
+    its forward: nothing recorded is trusted then (the memo is emptied) and the caller computes anew."""
+    pass_ = getattr(_current, "pass_", None)
+    if pass_ is None or pass_[1]:
+        return None
+    entries = pass_[0]._entries
+    if not entries:
+        return None
+    recorded_key, value = entries.popleft()
+    if recorded_key != key:
+        entries.clear()
+        return None
+    return value

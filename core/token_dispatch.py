@@ -61,6 +61,10 @@ class TokenDispatcher:
     uses_all_to_all: ClassVar[bool] = True
     #: ranks the routed experts are split over (a backend sets it from its group; 1: every expert is local)
     ep: int = 1
+    #: whether a recompute of `dispatch` (activation checkpointing) reuses what its forward received (the top-k ids
+    #: and weights of each received token) instead of exchanging the layout again (`core.recompute`): the memory
+    #: plan then counts them as kept from the forward to the recompute
+    recompute_reuses_routing: ClassVar[bool] = False
     #: fraction of the link bandwidth this backend's token exchange reaches, for the layout planner's step-time
     #: model (`trainer.tools.step_time`; `--hw.exchange_efficiency` overrides it)
     exchange_efficiency: ClassVar[float] = 0.5

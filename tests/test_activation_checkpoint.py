@@ -16,7 +16,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from core import recompute
+from core.recompute import RecomputeMemo
 from models.deepseek_v3.args import ModelArgs
 from models.deepseek_v3.model import DeepSeekV3Model
 from models.deepseek_v3.moe import MoE
@@ -24,7 +27,7 @@ from models.deepseek_v3.parallelize import RECOMPUTE_MODULES, checkpoint_model
 from parallelisms.activation_checkpoint.config import (ActivationCheckpointSection, ac_config_problem,
                                                        save_ops_warning)
 from parallelisms.activation_checkpoint.ops import OpRef
-from parallelisms.activation_checkpoint.policy import OpCounter, apply_ac
+from parallelisms.activation_checkpoint.policy import OpCounter, _sac_contexts, apply_ac
 from parallelisms.moe_comm.registry import op_table
 from core.config import ConfigError
 from trainer.job_config import JobConfig, validate_job
@@ -523,6 +526,87 @@ def test_module_whose_forward_never_runs_is_reported():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _toy_backward(ac(mode="selective", force_recompute_modules=["gate"]))
+
+
+# ----------------------------------------------------------------------------------------------- recompute memo
+
+_PROBE_CALLS: list[tuple[str, int]] = []
+
+
+@torch.library.custom_op("ac_memo_test::probe", mutates_args=())
+def _probe(x: torch.Tensor, tag: int) -> torch.Tensor:
+    """Doubles x; records `tag` in a checkpointed forward and reports what its recompute replays (`_PROBE_CALLS`)."""
+    got = recompute.replay(("probe", tuple(x.shape)))
+    if got is None:
+        _PROBE_CALLS.append(("computed", tag))
+        recompute.record(("probe", tuple(x.shape)), tag)
+    else:
+        _PROBE_CALLS.append(("replayed", got))
+    return x * 2
+
+
+_probe.register_autograd(lambda ctx, grad: (grad * 2, None))
+
+
+def _probe_run(saved_tags: set[int], early_stop: bool = False) -> list[tuple[str, int]]:
+    """Three probes (tags 0-2), each followed by a multiplication that saves its output, checkpointed under a SAC
+    policy that saves the probes tagged `saved_tags`; checks the gradient against no checkpointing and returns the
+    probe calls of the forward and the backward, in order."""
+    probe = torch.ops.ac_memo_test.probe.default
+
+    def policy(ctx, op, *args, **kwargs):
+        if op is probe and args[1] in saved_tags:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def region(x):
+        for tag in range(3):
+            x = probe(x, tag) * x
+        return x
+
+    x = torch.randn(4, requires_grad=True)
+    want = torch.autograd.grad(region(x).sum(), x)[0]
+    _PROBE_CALLS.clear()
+    out = checkpoint(region, x, use_reentrant=False, early_stop=early_stop, context_fn=lambda: _sac_contexts(policy))
+    out.sum().backward()
+    assert torch.equal(x.grad, want)
+    return list(_PROBE_CALLS)
+
+
+@pytest.mark.parametrize("early_stop", [False, True])
+def test_recompute_memo_replays_what_its_forward_recorded_in_order(early_stop):
+    forward = [("computed", tag) for tag in range(3)]
+    # everything recomputed: each probe takes its own forward's value, in order
+    assert _probe_run(set(), early_stop) == forward + [("replayed", tag) for tag in range(3)]
+    # a probe whose output SAC saves does not run again; the others still get their own values, not its
+    assert _probe_run({0}, early_stop) == forward + [("replayed", 1), ("replayed", 2)]
+    assert _probe_run({1}, early_stop) == forward + [("replayed", 0), ("replayed", 2)]
+    assert _probe_run({0, 1, 2}, early_stop) == forward
+
+
+def test_recompute_memo_outside_checkpointing_and_out_of_step():
+    # outside a checkpointed call (or under a plain torch checkpoint): nothing recorded, nothing replayed
+    recompute.record("key", 1)
+    assert recompute.replay("key") is None
+    x = torch.randn(3, requires_grad=True)
+    _PROBE_CALLS.clear()
+    checkpoint(lambda t: torch.ops.ac_memo_test.probe(t, 7) * t, x, use_reentrant=False).sum().backward()
+    assert _PROBE_CALLS == [("computed", 7), ("computed", 7)]
+    # a recompute that asks for another key than its forward recorded trusts nothing the memo holds
+    memo = RecomputeMemo()
+    previous = memo.activate(recording=True)
+    try:
+        for key, value in (("a", 1), ("b", 2)):
+            recompute.record(key, value)
+            memo.decide(True, op_ran=True)
+    finally:
+        RecomputeMemo.deactivate(previous)
+    previous = memo.activate(recording=False)
+    try:
+        assert recompute.replay("b") is None and len(memo) == 0 and recompute.replay("b") is None
+    finally:
+        RecomputeMemo.deactivate(previous)
+    assert recompute.replay("a") is None
 
 
 # ----------------------------------------------------------------------------------------------- SAC invariants

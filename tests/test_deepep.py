@@ -202,13 +202,13 @@ def _check_leak_is_caught(leak: dict) -> None:
 
 def _check_host_syncs(syncs: dict) -> None:
     layers = 2
-    # one sync per MoE layer in forward (the split sizes), none again in backward: the AC policies save it
-    for path in ("alltoall/none", "alltoall/full", "alltoall/sac_saved", "deepep/none", "deepep/sac_saved"):
-        assert syncs[path] == [layers, 0], (path, syncs)
-    # without the policy, full AC's recompute syncs again (the check can fail); DeepEP's sync is inside its
-    # dispatch kernel, which full AC recomputes (docs/performance.md)
-    for path in ("alltoall/full_plain", "deepep/full", "deepep/full_plain"):
-        assert syncs[path] == [layers, layers], (path, syncs)
+    # one sync per MoE layer in forward (the split sizes, DeepEP's received counts), none again in backward: the
+    # AC policies save the split sizes, and a recomputed DeepEP dispatch reuses its forward's handle (cached mode)
+    for backend in ("alltoall", "deepep"):
+        for path in SYNC_PATHS:
+            want = [layers, layers if path == "full_plain" else 0, 0.0]
+            # without the policy and the memo (torch's checkpoint alone) the recompute syncs again: the check can fail
+            assert syncs[f"{backend}/{path}"] == want, (backend, path, syncs)
 
 
 def _check_training(train: dict, pairs: list[tuple[str, str]]) -> None:
@@ -243,8 +243,10 @@ def _check_handle_leak(leak: dict) -> None:
 @pytest.mark.parametrize("nproc, layout, ep", [(2, "ep2", "2"), (4, "fsdp4_ep4", "4")], ids=["2ranks", "4ranks"])
 def test_ranks(tmp_path, nproc, layout, ep):
     deepep_args = ["--parallelism.expert_parallel_degree", ep, "--parallelism.expert_parallel_comm_backend", "deepep"]
+    # full AC: the recomputed dispatches reuse their forward's layout (cached mode), with FSDP inside the region
     train = {f"{layout}_alltoall": ["--parallelism.expert_parallel_degree", ep, "--memory.track", "off"],
-             f"{layout}_deepep": deepep_args + ["--memory.track", "exact"]}
+             f"{layout}_deepep": deepep_args + ["--memory.track", "exact"],
+             f"{layout}_deepep_full_ac": deepep_args + ["--memory.track", "exact", "--activation_checkpoint.mode", "full"]}
     if nproc == 2:  # FP8 dispatch through the trainer: blockwise experts, rows on the wire in e4m3 or not
         fp8 = deepep_args + ["--memory.track", "off", "--fp8.recipe", "blockwise", "--training.steps", "2"]
         train |= {"fp8_wire": fp8, "fp32_wire": fp8 + ["--fp8.dispatch", "false"]}
@@ -261,7 +263,8 @@ def test_ranks(tmp_path, nproc, layout, ep):
         _check_paths(rank_result["paths"])
         _check_leak_is_caught(rank_result["leak"])
         _check_host_syncs(rank_result["syncs"])
-    _check_training(out["train"], [(f"{layout}_deepep", f"{layout}_alltoall")])
+    _check_training(out["train"], [(f"{layout}_deepep", f"{layout}_alltoall"),
+                                   (f"{layout}_deepep_full_ac", f"{layout}_alltoall")])
     if nproc == 2:
         _check_handle_leak(out["handle_leak"])
         fp8, fp32 = out["train"]["fp8_wire"], out["train"]["fp32_wire"]
@@ -420,6 +423,7 @@ def _build(mesh, path: str, backend: str = "deepep"):
     # sets the DeepEP buffer up eagerly, before tracking: not an activation
     apply_expert_parallel(moes, mesh, backend, args.dim, torch.float32)
     ac = {"full": _ac_config("full"), "full_early_stop": _ac_config("full", early_stop=True),
+          "layer": dataclasses.replace(_ac_config("selective"), granularity="layer", layer_freq=1),
           "sac_saved": _ac_config("selective"), "sac_recomputed": _ac_config("selective", save_deepep=False)}
     if path in ac:
         apply_ac(model.layers, ac[path], {})
@@ -473,12 +477,28 @@ def _settle(patience_s: float = 1.0) -> None:
 
 class _HostSyncs(TorchDispatchMode):
     """Counts host syncs as they would happen on a GPU: copies into host memory (the all-to-all dispatcher's split
-    sizes, `.item()`), and DeepEP dispatches, which wait on the host for the received counts. A cached result
-    that selective AC hands back in recompute does not reach this mode: no sync."""
+    sizes, `.item()`), and DeepEP dispatches without a handle, which wait on the host for the received counts (a
+    cached-mode dispatch, with a handle, knows them). A cached result that selective AC hands back in recompute
+    reaches neither: no sync."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self._dispatch = None
+
+    def __enter__(self):
+        original = self._dispatch = deepep_cpu.Buffer.dispatch
+
+        def counted(buffer, x, handle=None, **kwargs):
+            self.count += handle is None
+            return original(buffer, x, handle=handle, **kwargs)
+
+        deepep_cpu.Buffer.dispatch = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        deepep_cpu.Buffer.dispatch = self._dispatch
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from parallelisms.moe_comm.registry import op_table
@@ -486,18 +506,24 @@ class _HostSyncs(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
-        if op_table().kind(func, args, kwargs) == "d2h_copy" or func is torch.ops.deepep.dispatch.default:
+        if op_table().kind(func, args, kwargs) == "d2h_copy":
             self.count += 1
         return func(*args, **kwargs)
 
 
+SYNC_PATHS = ("none", "full", "layer", "sac_saved", "sac_recomputed", "full_plain")
+
+
 def _host_syncs(mesh, rank: int) -> dict:
-    """Host syncs in the forward and in the backward of a 2-layer EP stack, per backend and AC mode."""
+    """Host syncs in the forward and in the backward of a 2-layer EP stack, per backend and AC mode, and the
+    largest difference of any gradient or the loss from the same stack without AC (bit-identical expected: the
+    recompute reruns the forward's fp32 arithmetic, with the forward's routing)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     result = {}
     for backend in ("alltoall", "deepep"):
-        for path in ("none", "full", "sac_saved", "full_plain"):
+        reference = None
+        for path in SYNC_PATHS:
             model, moes = _build(mesh, "none" if path == "full_plain" else path, backend)
             if path == "full_plain":  # torch's checkpoint alone, without the split-size policy: must sync again
                 for name, block in list(model.layers.items()):
@@ -508,7 +534,10 @@ def _host_syncs(mesh, rank: int) -> dict:
                 loss = model(x).square().mean()
             with backward:
                 loss.backward()
-            result[f"{backend}/{path}"] = [forward.count, backward.count]
+            values = [loss.detach()] + [_local_grad(p) for p in model.parameters()]
+            reference = values if reference is None else reference
+            diff = max((a - b).abs().max().item() for a, b in zip(values, reference))
+            result[f"{backend}/{path}"] = [forward.count, backward.count, diff]
     return result
 
 

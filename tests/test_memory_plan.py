@@ -145,3 +145,28 @@ def test_smoke_check_row_against_its_own_numbers(capsys):
     assert row["per_rank_measured_MiB"] == [row["measured_peak_MiB"]]
     assert row["ratio"] == pytest.approx(row["predicted_peak_MiB"] / row["measured_peak_MiB"], rel=1e-3)
     assert row["within_15pct"] is True and abs(row["ratio"] - 1) <= 0.15
+
+
+def test_full_ac_keeps_the_routing_a_deepep_recompute_reuses():
+    """With full AC, a DeepEP dispatch's recompute reuses its forward's received top-k ids and weights (int64 and
+    fp32 per slot of each received token), so the plan keeps them per MoE block from forward to backward; the
+    all-to-all backend keeps only split sizes, and without AC nothing changes."""
+    from models.deepseek_v3.args import FLAVORS
+
+    base = ["--job.config_file", os.path.join(CONFIGS, "debug_model.toml"), "--training.local_batch_size", "4",
+            "--training.seq_len", "128", "--parallelism.expert_parallel_degree", "2"]
+    ranks = {}
+    for mode in ("none", "full"):
+        for backend in ("alltoall", "deepep"):
+            cfg = load_config(base + ["--activation_checkpoint.mode", mode,
+                                      "--parallelism.expert_parallel_comm_backend", backend])
+            ranks[mode, backend] = plan(cfg, 2)["ranks"][0]
+    args = FLAVORS["debugmodel"]
+    tokens, k = 4 * 128, args.n_activated_experts
+    received = min(tokens * k, 2 * tokens)  # balanced routing: T * top_k rows, at most every token of both ranks
+    per_layer = received * k * (8 + 4)
+    moe_layers = args.n_layers - args.n_dense_layers
+    none, full = ranks["none", "alltoall"], ranks["full", "alltoall"]
+    assert ranks["none", "deepep"]["activation_bytes"] == none["activation_bytes"]
+    assert ranks["full", "deepep"]["activation_bytes"] - full["activation_bytes"] == moe_layers * per_layer
+    assert full["activation_bytes"] < none["activation_bytes"]

@@ -155,7 +155,9 @@ def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False, e
         # all-to-all outputs (tokens there and back) and the regrouping indices
         items += [Item("ep.recv", R * D * a, False, "all_to_all"),
                   Item("ep.back", N * D * a, False, "all_to_all"),
-                  Item("ep.regroup", 2 * R * _I64, True, "other")]
+                  Item("ep.regroup", 2 * R * _I64, True, "other"),
+                  # the top-k ids and weights of each received token (at most R tokens, at most T per EP rank)
+                  Item("ep.routing", min(R, sh.ep * T) * K * (_I64 + _F32), False, "routing")]
     if args.n_shared_experts:
         items += _swiglu("shared_experts", T, D, I * args.n_shared_experts, a, "mm")
     if aux_loss:

@@ -6,8 +6,8 @@ recompute-name table (models/deepseek_v3/parallelize.py for DeepSeek-V3):
 
     none                          nothing changes
     full                          every block keeps only its input and recomputes everything in backward (an EP
-                                  block also keeps its split sizes: no second host sync, see below)
-    selective, granularity=layer  every `layer_freq`-th block (by global layer id) is checkpointed fully
+                                  block also keeps its exchange's layout: no second host sync, see below)
+    selective, granularity=layer  every `layer_freq`-th block (by global layer id) is checkpointed fully, as full
     selective, granularity=op     per-op selective checkpointing (SAC) of every block, as data:
         save_ops                  op-table names (`ops.py`) whose outputs are saved; every other op is recomputed
         force_recompute_modules   submodules (dotted FQN suffixes inside a block) whose ops are recomputed even
@@ -30,6 +30,10 @@ one and the integer all-to-all of the split sizes):
   * device-to-host copies (the EP split sizes' `.tolist()`, `.item()`) are saved, so recompute never syncs again;
   * collectives named in save_ops stay saved inside recomputed modules, so a module-level recompute never
     communicates again (the EP split-size exchange must not run twice).
+An op that the recompute runs again may also take what its forward worked out on the host instead of working it
+out again: a comm backend's dispatch records its exchange's layout in the call's recompute memo
+(`core.recompute`), and its recompute sends the rows with that layout (no layout exchange, no wait on the host).
+The SAC passes keep one memo per checkpointed call and tell it which ops the policy recomputes.
 
 "Inside a module" is known from forward pre/post hooks on the matched submodules, not from tensor shapes. The
 hooks write into a per-pass state that each checkpointed forward and each recompute creates afresh, so a recompute

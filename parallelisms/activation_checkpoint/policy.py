@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporaril
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from core.names import DEFAULT, denotes, resolve
+from core.recompute import RecomputeMemo
 from core.token_dispatch import TokenDispatcher
 from parallelisms.activation_checkpoint.budget import parse_per_layer
 from parallelisms.activation_checkpoint.config import name_problem
@@ -191,19 +192,24 @@ class _RuntimeBypass(TorchDispatchMode):
 
 
 class _SACPass:
-    """One pass (forward or recompute) of a SAC region: its SAC mode with a fresh `_RuntimeBypass` on top, and
-    optionally a fresh scope state of `tracker` around both."""
+    """One pass (forward or recompute) of a SAC region: its SAC mode with a fresh `_RuntimeBypass` on top, the
+    call's recompute memo current (recording in the forward, replaying in the recompute), and optionally a fresh
+    scope state of `tracker` around both."""
 
-    def __init__(self, mode: TorchDispatchMode, tracker: _ScopeTracker | None = None, is_forward: bool = False):
+    def __init__(self, mode: TorchDispatchMode, memo: RecomputeMemo, tracker: _ScopeTracker | None = None,
+                 is_forward: bool = False):
         self._mode = mode
+        self._memo = memo
         self._tracker = tracker
         self._is_forward = is_forward
         self._bypass: _RuntimeBypass | None = None
         self._previous: _PassState | None = None
+        self._previous_memo: tuple | None = None
 
     def __enter__(self):
         if self._tracker is not None:
             self._previous = self._tracker.begin()
+        self._previous_memo = self._memo.activate(recording=self._is_forward)
         self._mode.__enter__()
         self._bypass = _RuntimeBypass(self._mode)
         self._bypass.__enter__()
@@ -214,16 +220,31 @@ class _SACPass:
             self._bypass.__exit__(exc_type, exc, tb)
             return self._mode.__exit__(exc_type, exc, tb)
         finally:
+            RecomputeMemo.deactivate(self._previous_memo)
             if self._tracker is not None:
                 self._tracker.end(self._previous, check_entered=self._is_forward and exc_type is None)
+
+
+_RECOMPUTED = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 
 
 def _sac_contexts(policy_fn: Callable[..., CheckpointPolicy],
                  tracker: _ScopeTracker | None = None) -> tuple[_SACPass, _SACPass]:
     """`torch.utils.checkpoint` contexts for `policy_fn` in eager mode: torch's SAC modes (fresh storage per call),
-    each with the FSDP runtime bypass, and with `tracker`'s per-pass scope state when given."""
-    fwd_mode, recompute_mode = create_selective_checkpoint_contexts(policy_fn)
-    return _SACPass(fwd_mode, tracker, True), _SACPass(recompute_mode, tracker, False)
+    each with the FSDP runtime bypass, with a fresh recompute memo (`core.recompute`: a comm backend's dispatch that
+    runs again in the recompute reuses its forward's layout), and with `tracker`'s per-pass scope state when given."""
+    memo = RecomputeMemo()
+
+    def deciding(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        # what an op offered the memo is kept only if the recompute runs the op again (not if SAC saves its
+        # outputs); torch's forward SAC mode asks the policy after the op (2.12+, with the op's output) or before
+        decision = policy_fn(ctx, op, *args, **kwargs)
+        if not ctx.is_recompute:
+            memo.decide(decision in _RECOMPUTED, op_ran=hasattr(ctx, "op_output"))
+        return decision
+
+    fwd_mode, recompute_mode = create_selective_checkpoint_contexts(deciding)
+    return _SACPass(fwd_mode, memo, tracker, True), _SACPass(recompute_mode, memo, tracker, False)
 
 # ----------------------------------------------------------------------------------------------- the SAC policy
 
@@ -399,7 +420,7 @@ def apply_ac(layers: nn.ModuleDict, ac_cfg, recompute_modules: RecomputeTable,
         for name, block in list(layers.items()):
             # layer ids are global (pipeline stages keep them), so the choice does not depend on the PP split
             if (int(name) + 1) % ac_cfg.layer_freq == 0:
-                layers[name] = checkpoint_wrapper(block, **wrapper_kwargs)
+                layers[name] = _full(block, wrapper_kwargs)
         return
 
     # names that match no module of these blocks are no mistake here (a pipeline stage of dense blocks has no
@@ -434,7 +455,8 @@ def apply_ac(layers: nn.ModuleDict, ac_cfg, recompute_modules: RecomputeTable,
 
 
 def _full(block: nn.Module, wrapper_kwargs: dict[str, Any]) -> nn.Module:
-    """`block` fully checkpointed (an EP block keeps its routing metadata, `_routing_metadata_policy`)."""
+    """`block` fully checkpointed (an EP block keeps its routing metadata, `_routing_metadata_policy`, and replays
+    a comm backend's exchange layout from its recompute memo, `_sac_contexts`)."""
     extra = {"context_fn": _keep_routing_metadata} if _syncs_with_host(block) else {}
     return checkpoint_wrapper(block, **wrapper_kwargs, **extra)
 

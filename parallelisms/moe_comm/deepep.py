@@ -30,9 +30,13 @@ to its combine, never longer, and the autograd graph owns the handle after that.
   * no_grad / inference_mode / eval: nothing will run backward. The caller decides this *outside* the op
     (`will_backward = torch.is_grad_enabled() and y.requires_grad`, like torchtitan HEAD): inside a custom op
     grad mode is always off, so the op could not tell. combine releases the entry itself when False.
-  * recompute (full AC, or SAC recomputing these ops): the recomputed dispatch registers a new entry, the
-    recomputed combine takes it into the recompute's graph, which is freed once the recompute is done.
-    With SAC saving both ops, recompute returns the cached outputs: no communication, no new entry.
+  * recompute (full AC, or SAC recomputing these ops): the forward's dispatch recorded its handle and received
+    routing in the checkpointed call's recompute memo (`core.recompute`, owned by the checkpoint contexts); the
+    recomputed dispatch takes them from there, sends the rows in cached mode with that handle (no layout, no
+    wait on the host) and registers it under a new entry, which the recomputed combine takes into the
+    recompute's graph, freed once the recompute is done. Under a plain `torch.utils.checkpoint` (no memo) the
+    recompute dispatches anew. With SAC saving both ops, recompute returns the cached outputs: no
+    communication, no new entry, and the forward recorded nothing.
   * several microbatches in flight: one entry and one handle per call, each freed by its own backward.
   * an exception between dispatch and combine (or an early-stopped recompute): the entry is also tied to the
     lifetime of the call's `DeepEPState` by a weakref finalizer, so it is released when the state is dropped
@@ -54,6 +58,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from core import recompute
 from core.token_dispatch import Dispatched, TokenDispatcher
 from quantization.fp8.quantize import dequantize, quantize
 from parallelisms.moe_comm import deepep_cpu
@@ -267,14 +272,27 @@ def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts:
     this op allocates and something keeps alive; the caller drops them and keeps the id.
     """
     buffer = BUFFERS.lookup(group_key)
-    per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     wire_x = quantize(x, 1, fp8_block) if fp8_block else x
-    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-        wire_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+    key = ("deepep.dispatch", group_key, tuple(x.shape), tuple(topk_idx.shape))
+    forward = recompute.replay(key)
+    if forward is not None:
+        # an activation-checkpoint recompute of a dispatch: its forward's layout, and only the rows travel again
+        # (DeepEP's cached mode: no layout kernel, no notify, no wait on the host for the received counts)
+        handle, recv_idx, recv_w, counts = forward
+        recv_x = buffer.dispatch(wire_x, handle=handle)[0]
+        recv_idx, recv_w = recv_idx.detach(), recv_w.detach()
+    else:
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+        recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+            wire_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+        handle = tuple(handle)
+        # kept until the recompute, if checkpointing will run this op again: the handle (which the forward's
+        # autograd nodes hold anyway) and the received routing, M x K ids and weights (12 bytes a slot)
+        recompute.record(key, (handle, recv_idx.detach(), recv_w.detach(), counts))
     if fp8_block:
         recv_x = dequantize(*recv_x, 1, fp8_block, x.dtype)
-    handle_id = HANDLES.add(tuple(handle), group_key)
+    handle_id = HANDLES.add(handle, group_key)
     return (recv_x, recv_idx, recv_w, torch.tensor(counts, dtype=torch.int64),
             torch.tensor(handle_id, dtype=torch.int64), [t for t in handle if isinstance(t, Tensor)])
 
@@ -359,6 +377,7 @@ class DeepEPDispatcher(TokenDispatcher):
 
     ac_ops = {"deepep_dispatch": ("deepep.dispatch.default",), "deepep_combine": ("deepep.combine.default",)}
     uses_all_to_all = False
+    recompute_reuses_routing = True
 
     @classmethod
     def metrics(cls) -> dict[str, float]:

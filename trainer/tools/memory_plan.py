@@ -88,7 +88,7 @@ def _held(items: list[Item], mode: str, save_ops: set[str]) -> tuple[int, int]:
         return none_kept, 0
     if mode == "full":
         block_input = items[0].nbytes
-        return block_input, none_kept - block_input
+        return block_input + sum(i.nbytes for i in items[1:] if i.op in save_ops), none_kept - block_input
     kept = sum(i.nbytes for i in items if i.op == "input" or i.op in save_ops)
     recomputed = sum(i.nbytes for i in items if i.saved and i.op != "input" and i.op not in save_ops)
     return kept, recomputed
@@ -102,10 +102,11 @@ def _exchange_ops(backend) -> tuple[str, ...]:
 def _plan_ops(names, backend) -> frozenset[str]:
     """Op-table names a policy saves -> the ops the plan's tensors are labelled with that it saves: the exchange
     when the backend's own exchange ops are saved (and not merely all_to_all, which such a backend never runs);
-    host copies always."""
+    host copies always, and the received routing when the backend's recompute reuses it (full AC too)."""
     names = set(names)
     exchange = _EXCHANGE if names & set(_exchange_ops(backend)) else None
-    return frozenset(names - {_EXCHANGE} | {exchange, "d2h_copy"} - {None})
+    routing = "routing" if backend.recompute_reuses_routing else None
+    return frozenset(names - {_EXCHANGE} | {exchange, routing, "d2h_copy"} - {None})
 
 
 def _block_choices(cfg, layer_ids: list[int], per_layer: Mapping[int, LayerChoice] | None = None
@@ -121,12 +122,13 @@ def _block_choices(cfg, layer_ids: list[int], per_layer: Mapping[int, LayerChoic
             raise ConfigError("activation_checkpoint.per_layer", f"has no entry for layer(s) {', '.join(missing)}",
                               "one entry per layer (empty: chosen before launch)")
         return {i: (chosen[i].mode, _plan_ops(chosen[i].save_ops, backend)) for i in layer_ids}
+    kept = _plan_ops((), backend)  # what full AC keeps besides the block's input
     if ac.mode == "selective" and ac.granularity == "layer":
-        return {i: ("full" if (i + 1) % ac.layer_freq == 0 else "none", frozenset()) for i in layer_ids}
+        return {i: ("full", kept) if (i + 1) % ac.layer_freq == 0 else ("none", frozenset()) for i in layer_ids}
     if ac.mode == "selective":
         save_ops = _plan_ops(op_table().save_ops(ac.save_ops), backend)
         return {i: ("op", save_ops) for i in layer_ids}
-    return {i: (ac.mode, frozenset()) for i in layer_ids}
+    return {i: (ac.mode, kept if ac.mode == "full" else frozenset()) for i in layer_ids}
 
 
 def _bf16_step_compiled(opt, device: str) -> bool:
@@ -426,9 +428,10 @@ def _options(items: list[Item], backend: str, dims, hw: Hardware) -> list:
     if key not in _OPTIONS:
         if len(_OPTIONS) > 4096:
             _OPTIONS.clear()
+        kept = _plan_ops((), get_comm_backend(backend))  # kept by every AC choice: host copies, reused routing
         # the item list kept alive with the entry, so that its id is not reused while the entry exists
         _OPTIONS[key] = (items, block_options(
-            items, _savable(backend), lambda mode, ops: _held(items, mode, ops | {"d2h_copy"}),
+            items, _savable(backend), lambda mode, ops: _held(items, mode, ops | kept),
             lambda item: recompute_seconds(item.op, item.flops, item.nbytes, dims, backend, hw)))
     return _OPTIONS[key][1]
 
