@@ -44,6 +44,7 @@ from trainer.tools import memory_plan  # noqa: E402
 from trainer.tools.plan import DEFAULT_ROUTING_SKEW, Layout, evaluate, resolve_ac_budget  # noqa: E402
 from trainer.tools.step_time import Hardware, recompute_seconds  # noqa: E402
 from parallelisms.activation_checkpoint.budget import LayerChoice, per_layer_entries  # noqa: E402
+from parallelisms.moe_comm.registry import get_comm_backend  # noqa: E402
 
 GiB = 2 ** 30
 STEPS = 4
@@ -168,13 +169,14 @@ def _options(items, names, dims, backend: str) -> list[tuple[float, int, int, La
     less those another option beats on all three (the plan's peak grows with each byte count)."""
     ops = sorted({item.op for item in items} & set(names))
     hw = Hardware()
+    always = memory_plan._plan_ops((), get_comm_backend(backend))  # host copies; the routing a recompute reuses
     found = []
     for mode, subset in [("none", ()), ("full", ())] + [("op", s) for r in range(1, len(ops) + 1)
                                                         for s in itertools.combinations(ops, r)]:
-        kept, rebuilt = memory_plan._held(items, mode, frozenset(subset) | {"d2h_copy"})
+        kept, rebuilt = memory_plan._held(items, mode, frozenset(subset) | always)
         seconds = 0.0 if mode == "none" else sum(
             recompute_seconds(i.op, i.flops, i.nbytes, dims, backend, hw) for i in items
-            if i.op != "input" and (mode == "full" or i.op not in subset))
+            if i.op not in ("input", "routing") and (mode == "full" or i.op not in subset))
         save_ops = tuple(dict.fromkeys(n for op in subset for n in names[op]))
         found.append((seconds, kept, kept + rebuilt, LayerChoice(mode, save_ops)))
     return sorted(o for o in found if not any(p[:3] != o[:3] and all(p[k] <= o[k] for k in range(3)) for p in found))

@@ -42,15 +42,19 @@ class RecomputeMemo:
 
     Only the ops that the recompute will run again keep what they offer: the checkpointing code passes on its
     policy's decision for each op (`decide`), so an op whose outputs selective checkpointing saves keeps nothing,
-    and the ops that do run again find their own values in order. The memo belongs to the call's checkpoint
-    contexts, which the autograd graph holds until its backward ran or it is dropped: nothing recorded outlives
-    the graph, and a replayed value leaves the memo at once.
+    and the ops that do run again find their own values in order. An op that records must therefore pass through
+    the checkpointing policy (not around the SAC mode). Each recompute pass reads from the first entry again: a
+    call recomputed twice (a second backward with retain_graph, a pipeline schedule that recomputes for its input and
+    its weight gradients) replays the same values both times. The memo belongs to the call's checkpoint contexts,
+    which the autograd graph holds until its backward ran or it is dropped: nothing recorded outlives the graph.
     """
 
     def __init__(self) -> None:
-        self._entries: collections.deque[tuple[Any, Any]] = collections.deque()
+        self._entries: list[tuple[Any, Any]] = []
+        self._cursor = 0  # the next entry a replaying pass hands out
         self._offered: tuple[Any, Any] | None = None  # what the op that just ran offered, until the policy decides
-        self._recompute_next: bool | None = None  # the decision for the op about to run (a policy asked before it)
+        self._asks_before = False  # the policy is asked before each op runs (torch < 2.12), not after
+        self._recompute_next = False  # then: its decision for the op about to run, until that op offers
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -63,18 +67,31 @@ class RecomputeMemo:
             if offered is not None and recomputed:
                 self._entries.append(offered)
         else:
-            self._recompute_next = recomputed
+            self._asks_before, self._recompute_next = True, recomputed
 
     def _offer(self, key: Any, value: Any) -> None:
-        if self._recompute_next is None:
+        if not self._asks_before:
             self._offered = (key, value)  # the policy decides after this op
-        elif self._recompute_next:
+            return
+        if self._recompute_next:
             self._entries.append((key, value))
+        self._recompute_next = False  # a second offer before the next decision comes from an op the policy missed
+
+    def _next(self, key: Any) -> Any | None:
+        if self._cursor >= len(self._entries):
+            return None
+        recorded_key, value = self._entries[self._cursor]
+        if recorded_key != key:
+            self._entries.clear()  # this recompute does not follow its forward: trust nothing recorded
+            return None
+        self._cursor += 1
+        return value
 
     def activate(self, recording: bool) -> tuple | None:
-        """Make this memo current on this thread for one pass (the forward records, the recompute replays);
-        returns what was current, for `deactivate`."""
+        """Make this memo current on this thread for one pass (the forward records, a recompute replays from the
+        first entry); returns what was current, for `deactivate`."""
         previous = getattr(_current, "pass_", None)
+        self._cursor = 0
         _current.pass_ = (self, recording)
         return previous
 
@@ -103,11 +120,4 @@ def replay(key: Any) -> Any | None:
     pass_ = getattr(_current, "pass_", None)
     if pass_ is None or pass_[1]:
         return None
-    entries = pass_[0]._entries
-    if not entries:
-        return None
-    recorded_key, value = entries.popleft()
-    if recorded_key != key:
-        entries.clear()
-        return None
-    return value
+    return pass_[0]._next(key)

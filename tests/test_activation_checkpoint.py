@@ -548,7 +548,7 @@ def _probe(x: torch.Tensor, tag: int) -> torch.Tensor:
 _probe.register_autograd(lambda ctx, grad: (grad * 2, None))
 
 
-def _probe_run(saved_tags: set[int], early_stop: bool = False) -> list[tuple[str, int]]:
+def _probe_run(saved_tags: set[int], early_stop: bool = False, backwards: int = 1) -> list[tuple[str, int]]:
     """Three probes (tags 0-2), each followed by a multiplication that saves its output, checkpointed under a SAC
     policy that saves the probes tagged `saved_tags`; checks the gradient against no checkpointing and returns the
     probe calls of the forward and the backward, in order."""
@@ -568,8 +568,9 @@ def _probe_run(saved_tags: set[int], early_stop: bool = False) -> list[tuple[str
     want = torch.autograd.grad(region(x).sum(), x)[0]
     _PROBE_CALLS.clear()
     out = checkpoint(region, x, use_reentrant=False, early_stop=early_stop, context_fn=lambda: _sac_contexts(policy))
-    out.sum().backward()
-    assert torch.equal(x.grad, want)
+    for _ in range(backwards):
+        out.sum().backward(retain_graph=True)
+    assert torch.equal(x.grad, want * backwards)
     return list(_PROBE_CALLS)
 
 
@@ -582,6 +583,9 @@ def test_recompute_memo_replays_what_its_forward_recorded_in_order(early_stop):
     assert _probe_run({0}, early_stop) == forward + [("replayed", 1), ("replayed", 2)]
     assert _probe_run({1}, early_stop) == forward + [("replayed", 0), ("replayed", 2)]
     assert _probe_run({0, 1, 2}, early_stop) == forward
+    # a call recomputed twice (a second backward through a retained graph; SAC allows it when it saved nothing)
+    # replays the same values again
+    assert _probe_run(set(), early_stop, backwards=2) == forward + [("replayed", tag) for tag in range(3)] * 2
 
 
 def test_recompute_memo_outside_checkpointing_and_out_of_step():

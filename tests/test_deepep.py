@@ -246,7 +246,8 @@ def test_ranks(tmp_path, nproc, layout, ep):
     # full AC: the recomputed dispatches reuse their forward's layout (cached mode), with FSDP inside the region
     train = {f"{layout}_alltoall": ["--parallelism.expert_parallel_degree", ep, "--memory.track", "off"],
              f"{layout}_deepep": deepep_args + ["--memory.track", "exact"],
-             f"{layout}_deepep_full_ac": deepep_args + ["--memory.track", "exact", "--activation_checkpoint.mode", "full"]}
+             f"{layout}_deepep_full_ac": deepep_args + ["--memory.track", "exact",
+                                                         "--activation_checkpoint.mode", "full"]}
     if nproc == 2:  # FP8 dispatch through the trainer: blockwise experts, rows on the wire in e4m3 or not
         fp8 = deepep_args + ["--memory.track", "off", "--fp8.recipe", "blockwise", "--training.steps", "2"]
         train |= {"fp8_wire": fp8, "fp32_wire": fp8 + ["--fp8.dispatch", "false"]}

@@ -209,10 +209,10 @@ class _SACPass:
     def __enter__(self):
         if self._tracker is not None:
             self._previous = self._tracker.begin()
-        self._previous_memo = self._memo.activate(recording=self._is_forward)
         self._mode.__enter__()
         self._bypass = _RuntimeBypass(self._mode)
         self._bypass.__enter__()
+        self._previous_memo = self._memo.activate(recording=self._is_forward)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -225,7 +225,7 @@ class _SACPass:
                 self._tracker.end(self._previous, check_entered=self._is_forward and exc_type is None)
 
 
-_RECOMPUTED = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+_SAVED = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
 
 
 def _sac_contexts(policy_fn: Callable[..., CheckpointPolicy],
@@ -240,7 +240,7 @@ def _sac_contexts(policy_fn: Callable[..., CheckpointPolicy],
         # outputs); torch's forward SAC mode asks the policy after the op (2.12+, with the op's output) or before
         decision = policy_fn(ctx, op, *args, **kwargs)
         if not ctx.is_recompute:
-            memo.decide(decision in _RECOMPUTED, op_ran=hasattr(ctx, "op_output"))
+            memo.decide(decision not in _SAVED, op_ran=hasattr(ctx, "op_output"))
         return decision
 
     fwd_mode, recompute_mode = create_selective_checkpoint_contexts(deciding)

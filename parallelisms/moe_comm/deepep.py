@@ -287,8 +287,8 @@ def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts:
             wire_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
         handle = tuple(handle)
-        # kept until the recompute, if checkpointing will run this op again: the handle (which the forward's
-        # autograd nodes hold anyway) and the received routing, M x K ids and weights (12 bytes a slot)
+        # kept for the recompute while the graph lives, if checkpointing will run this op again: the handle (which
+        # the forward's autograd nodes hold anyway) and the received routing, M x K ids and weights (12 bytes a slot)
         recompute.record(key, (handle, recv_idx.detach(), recv_w.detach(), counts))
     if fp8_block:
         recv_x = dequantize(*recv_x, 1, fp8_block, x.dtype)

@@ -207,10 +207,11 @@ _COMMUNICATING = frozenset({_EXCHANGE, "all_gather"})
 
 def _recompute_work(items: list[Item], mode: str, save_ops: set[str]) -> tuple[int, int]:
     """(forward FLOPs, bytes of elementwise outputs) the backward runs again: the whole block (full) or the ops the
-    policy does not save (op). Elementwise: tensors made without FLOPs that do not communicate."""
+    policy does not save (op). Elementwise: tensors made without FLOPs that do not communicate. The received
+    routing is never made again: a backend that keeps it replays it, and one that does not never makes it."""
     if mode == "none":
         return 0, 0
-    again = [i for i in items if i.op != "input" and (mode == "full" or i.op not in save_ops)]
+    again = [i for i in items if i.op not in ("input", "routing") and (mode == "full" or i.op not in save_ops)]
     return (sum(i.flops for i in again),
             sum(i.nbytes for i in again if not i.flops and i.op not in _COMMUNICATING))
 
@@ -429,10 +430,15 @@ def _options(items: list[Item], backend: str, dims, hw: Hardware) -> list:
         if len(_OPTIONS) > 4096:
             _OPTIONS.clear()
         kept = _plan_ops((), get_comm_backend(backend))  # kept by every AC choice: host copies, reused routing
+
+        def seconds(item: Item) -> float:
+            # the received routing is never made again (`_recompute_work`)
+            return 0.0 if item.op == "routing" else recompute_seconds(item.op, item.flops, item.nbytes, dims,
+                                                                      backend, hw)
+
         # the item list kept alive with the entry, so that its id is not reused while the entry exists
         _OPTIONS[key] = (items, block_options(
-            items, _savable(backend), lambda mode, ops: _held(items, mode, ops | kept),
-            lambda item: recompute_seconds(item.op, item.flops, item.nbytes, dims, backend, hw)))
+            items, _savable(backend), lambda mode, ops: _held(items, mode, ops | kept), seconds))
     return _OPTIONS[key][1]
 
 
