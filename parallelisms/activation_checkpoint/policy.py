@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import logging
 import threading
 import warnings
@@ -18,7 +19,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
 
 from core.names import DEFAULT, denotes, resolve
 from core.recompute import RecomputeMemo
@@ -226,6 +227,8 @@ class _SACPass:
 
 
 _SAVED = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
+#: whether torch's forward SAC mode asks the policy after the op ran (2.12+: it shows the policy the op's output)
+_POLICY_AFTER_OP = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
 
 
 def _sac_contexts(policy_fn: Callable[..., CheckpointPolicy],
@@ -236,11 +239,10 @@ def _sac_contexts(policy_fn: Callable[..., CheckpointPolicy],
     memo = RecomputeMemo()
 
     def deciding(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        # what an op offered the memo is kept only if the recompute runs the op again (not if SAC saves its
-        # outputs); torch's forward SAC mode asks the policy after the op (2.12+, with the op's output) or before
+        # what an op offered the memo is kept only if the recompute runs the op again (not if SAC saves its outputs)
         decision = policy_fn(ctx, op, *args, **kwargs)
         if not ctx.is_recompute:
-            memo.decide(decision not in _SAVED, op_ran=hasattr(ctx, "op_output"))
+            memo.decide(decision not in _SAVED, op_ran=_POLICY_AFTER_OP)
         return decision
 
     fwd_mode, recompute_mode = create_selective_checkpoint_contexts(deciding)
