@@ -535,13 +535,17 @@ def test_flops_per_token_formula():
     assert training_flops_per_token(args, 256) == 6 * (c.active - c.embedding) + attn_full / 2
 
 
-@pytest.mark.parametrize("flavor, mtp", [("debugmodel", 0), ("debugmodel", 2), ("16B", 1), ("671B", 1)])
-def test_block_flops_name_the_fp8_modules_and_add_up_to_the_flops(flavor, mtp):
+@pytest.mark.parametrize("flavor, mtp, dense", [("debugmodel", 0, None), ("debugmodel", 2, None), ("16B", 1, None),
+                                               ("671B", 1, None), ("debugmodel", 2, 6), ("debugmodel", 1, 0)])
+def test_block_flops_name_the_fp8_modules_and_add_up_to_the_flops(flavor, mtp, dense):
     """The per-module table holds the modules [fp8] finds in a real (meta) model's blocks, MTP blocks included; each
     entry is 6 x its parameters over the blocks (routed experts at top_k / E), and with 6 x the parameters outside
     those modules (head, eh_proj, router gates, norms; not the embedding, a lookup) it adds up exactly to the FLOPs
-    but the attention scores."""
+    but the attention scores; and the parameter count is the model's. The counts take blocks by kind (`dense`:
+    every main layer dense, or none)."""
     args = FLAVORS[flavor].replace(num_mtp_layers=mtp)
+    if dense is not None:
+        args = args.replace(n_dense_layers=dense)
     with torch.device("meta"):
         model = DeepSeekV3Model(args)
     blocks = list(model.layers.values()) + ([m.block for m in model.mtp.layers] if mtp else [])
@@ -563,6 +567,7 @@ def test_block_flops_name_the_fp8_modules_and_add_up_to_the_flops(flavor, mtp):
                for name in outside), sorted(outside)
     parameter_part = training_flops_per_token(args, 4096) - attention_flops_per_token(args, 4096)
     assert parameter_part == sum(table.values()) + 6 * sum(outside.values())
+    assert count_params(args).total == sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "236B"])

@@ -58,19 +58,27 @@ def _block_params(a: ModelArgs, moe: bool) -> tuple[int, int]:
     return sum(modules.values()) + norms + gate, modules.get("moe.experts", 0)
 
 
+def _block_kinds(a: ModelArgs, n_blocks: int, first: int = 0) -> dict[bool, int]:
+    """{is MoE: how many} of the blocks first .. first + n_blocks - 1 (MoE from `n_dense_layers` on), kinds with
+    none left out."""
+    dense = min(max(a.n_dense_layers - first, 0), n_blocks)
+    return {moe: n for moe, n in ((False, dense), (True, n_blocks - dense)) if n}
+
+
 def count_params(a: ModelArgs) -> ParamCounts:
     """Exact parameter counts of `DeepSeekV3Model(a)`, including MTP modules."""
     total, routed = 0, 0
-    for layer in range(a.n_layers):
-        t, r = _block_params(a, layer >= a.n_dense_layers)
-        total, routed = total + t, routed + r
+    # blocks of one kind have the same parameters: one count per kind (the planner asks for every layout)
+    for moe, n_blocks in _block_kinds(a, a.n_layers).items():
+        t, r = _block_params(a, moe)
+        total, routed = total + n_blocks * t, routed + n_blocks * r
     embedding = a.vocab_size * a.dim
     total += embedding + a.dim + a.vocab_size * a.dim  # embedding, final norm, output head
     mtp = 0
-    for k in range(a.num_mtp_layers):
-        t, r = _block_params(a, a.n_layers + k >= a.n_dense_layers)
-        mtp += t + 3 * a.dim + 2 * a.dim * a.dim
-        routed += r
+    for moe, n_blocks in _block_kinds(a, a.num_mtp_layers, first=a.n_layers).items():
+        t, r = _block_params(a, moe)
+        mtp += n_blocks * (t + 3 * a.dim + 2 * a.dim * a.dim)
+        routed += n_blocks * r
     total += mtp
     inactive = routed - routed * a.n_activated_experts // a.n_routed_experts
     return ParamCounts(total=total, active=total - inactive, embedding=embedding, routed_experts=routed, mtp=mtp)
@@ -103,9 +111,9 @@ def block_flops_per_token(a: ModelArgs) -> dict[str, float]:
     MTP's eh_proj, the router gates and the norm weights.
     """
     flops: dict[str, float] = {}
-    for layer in range(a.n_layers + a.num_mtp_layers):
-        for fqn, params in _block_module_params(a, layer >= a.n_dense_layers).items():
+    for moe, n_blocks in _block_kinds(a, a.n_layers + a.num_mtp_layers).items():
+        for fqn, params in _block_module_params(a, moe).items():
             if fqn == "moe.experts":
                 params = params // a.n_routed_experts * a.n_activated_experts
-            flops[fqn] = flops.get(fqn, 0.0) + 6.0 * params
+            flops[fqn] = flops.get(fqn, 0.0) + 6.0 * params * n_blocks
     return flops

@@ -390,13 +390,15 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
         mode, save_ops = choices[layer]
         return mode == "full" or (mode == "op" and op not in save_ops)
 
+    # context parallelism's gathers: items of their own only with cp > 1 (not scanned otherwise: the planner plans
+    # thousands of ranks)
+    cp_items = [(b.layer, it) for b in stage.blocks for it in b.items if it.name.startswith("cp.")] if sh.cp > 1 else []
     work = {"forward_flops": forward_flops, "recompute_flops": recompute, "recompute_memory_bytes": recompute_bytes,
             "microbatches": n_micro, "stages_per_rank": len(stages),
             "a2a_bytes": sum(b.a2a_bytes for b in stage.blocks),
             "a2a_recomputed_bytes": sum(b.a2a_bytes for b in stage.blocks if again(b.layer, _EXCHANGE)),
-            "cp_bytes": sum(it.nbytes for b in stage.blocks for it in b.items if it.name.startswith("cp.")),
-            "cp_recomputed_bytes": sum(it.nbytes for b in stage.blocks for it in b.items
-                                       if it.name.startswith("cp.") and again(b.layer, it.op)),
+            "cp_bytes": sum(it.nbytes for _, it in cp_items),
+            "cp_recomputed_bytes": sum(it.nbytes for layer, it in cp_items if again(layer, it.op)),
             "fsdp_unit_bytes": units if fsdp else [], "unit_element_bytes": pbytes, "hidden_bytes": stage.hidden_bytes,
             "grad_bytes": grads, "param_count": stage.param_numel, "token_bytes": hidden * max(a, 2),
             # AdamW's traffic per parameter: weights read and written, the gradient read, both moments read and

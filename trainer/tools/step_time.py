@@ -166,24 +166,51 @@ def _param_shapes(model_cls, args) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return _SHAPES[key]
 
 
+@dataclass(frozen=True)
+class _Fp8Model:
+    """What a model quantises under one FP8 selection, before it is shared out over ranks (`_fp8_model`)."""
+
+    elements_per_flop: float
+    linears: int
+    experts: int
+    stacked: int
+    total: int
+
+
+_FP8_MODELS: dict[tuple, _Fp8Model | None] = {}
+
+
+def _fp8_model(spec, args, selection) -> _Fp8Model | None:
+    """`_Fp8Model` of `spec.model_cls(args)` under `selection`, once per model and selection (the planner asks for
+    every rank of thousands of layouts); None where the selection runs no FLOPs as FP8."""
+    key = (spec.model_cls, repr(args), selection)
+    if key not in _FP8_MODELS:
+        table = spec.tools.module_flops(args)
+        fp8_flops = fp8_flops_per_token(selection, table)
+        shapes = _param_shapes(spec.model_cls, args)
+        model = None
+        if fp8_flops:
+            activations, linears, experts = fp8_operand_elements(selection, table, shapes)
+            model = _Fp8Model(activations / fp8_flops, linears, experts,
+                              sum(math.prod(s) for _, s in shapes if len(s) > 2),
+                              sum(math.prod(s) for _, s in shapes))
+        _FP8_MODELS[key] = model
+    return _FP8_MODELS[key]
+
+
 def fp8_operands(spec, args, cfg, dims, work: dict) -> Fp8Operands | None:
     """The FP8 operands of one rank's microbatch (`work`: its memory plan's) for the `[fp8]` section of `cfg`; None
     with recipe none or a model without a per-module FLOPs table. The rank quantises the weights it holds gathered:
     the model's FP8 weights times the share of the model's parameters its stages hold (experts split over EP)."""
     if cfg.fp8.recipe == "none" or spec.tools.module_flops is None:
         return None
-    selection = fp8_selection(cfg.fp8, spec.plan.module_defaults)
-    table = spec.tools.module_flops(args)
-    fp8_flops = fp8_flops_per_token(selection, table)
-    if not fp8_flops:
+    fp8 = _fp8_model(spec, args, fp8_selection(cfg.fp8, spec.plan.module_defaults))
+    if fp8 is None:
         return None
-    shapes = _param_shapes(spec.model_cls, args)
-    activations, linears, experts = fp8_operand_elements(selection, table, shapes)
-    stacked = sum(math.prod(s) for _, s in shapes if len(s) > 2)
-    model = sum(math.prod(s) for _, s in shapes) - stacked * (1 - 1 / dims.ep)
+    model = fp8.total - fp8.stacked * (1 - 1 / dims.ep)
     held = sum(work["fsdp_unit_bytes"]) / work["unit_element_bytes"] if work["fsdp_unit_bytes"] else \
         work["param_count"]
-    return Fp8Operands(activations / fp8_flops, 2 * min(1.0, held / model) * (linears + experts / dims.ep))
+    return Fp8Operands(fp8.elements_per_flop, 2 * min(1.0, held / model) * (fp8.linears + fp8.experts / dims.ep))
 
 
 def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work: dict, fp8_fraction: float,
