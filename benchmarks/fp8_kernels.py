@@ -12,11 +12,12 @@ probe 2048 -> 5632; 64 experts of 768 rows, 2048 <-> 1408), 671b is train_config
 
 Candidates, each timed forward and forward + backward (median of the timed repeats, CUDA events between device
 synchronisations), eager unless marked compiled (`--compile` adds torch.compile'd variants of ours and bf16):
-  linear    bf16 (mm), emulated (blockwise and rowwise), scaled_mm blockwise (ours: `Fp8Linear`), torchao
+  linear    bf16 (mm), emulated (blockwise and rowwise), scaled_mm blockwise (ours: `Fp8Linear`; "W kept": the
+            dgrad takes the forward's e4m3 weight blocks, transposed, as with a weight autocast casts), torchao
             Float8Linear rowwise (what rowwise linears run), torchao Float8BlockwiseLinear (sm90, when importable)
   grouped   bf16 (_grouped_mm), emulated (both recipes), _scaled_grouped_mm rowwise (ours), torchao's rowwise
-            _to_fp8_rowwise_then_scaled_grouped_mm, scaled_mm per expert (ours, blockwise), DeepGEMM through torchao
-            (blockwise, when deep_gemm imports)
+            _to_fp8_rowwise_then_scaled_grouped_mm, scaled_mm per expert (ours, blockwise; and "W kept"), DeepGEMM
+            through torchao (blockwise, when deep_gemm imports)
   kernel    a linear's forward GEMM alone, on operands quantised beforehand: bf16 mm, torch._scaled_mm tensorwise
             and rowwise, F.scaled_mm 1x128 x 128x128 and 1x128 x 1x128
 Every fp8 candidate's output and gradients are compared with the emulation of its recipe: rel_vs_emulated is the
@@ -145,14 +146,16 @@ def _linear_candidates(platform) -> dict:
     from quantization.fp8.gemms import _EMULATED_LINEAR, _Fp8LinearFn
     from quantization.fp8.kernels import blockwise_linear_kernels
 
-    def ours(x, w):
+    def ours(x, w, weight_cast=False):
         kernels = blockwise_linear_kernels(platform, x.dtype, x.shape[0], x.shape[1], w.shape[0])
-        return _Fp8LinearFn.apply(x, w, "blockwise", kernels)
+        return _Fp8LinearFn.apply(x, w, "blockwise", kernels, weight_cast)
 
     candidates = {("bf16 mm", "none"): lambda x, w: x @ w.t(),
                   ("emulated", "blockwise"): lambda x, w: _Fp8LinearFn.apply(x, w, "blockwise", _EMULATED_LINEAR),
                   ("emulated", "rowwise"): lambda x, w: _Fp8LinearFn.apply(x, w, "rowwise", _EMULATED_LINEAR),
-                  ("scaled_mm blockwise (ours)", "blockwise"): ours}
+                  ("scaled_mm blockwise (ours)", "blockwise"): ours,
+                  # as with autocast's cast weight (one GPU): the dgrad takes the forward's e4m3 blocks, transposed
+                  ("scaled_mm blockwise (ours, W kept)", "blockwise"): lambda x, w: ours(x, w, True)}
     def torchao_rowwise():  # the module convert.py makes, run on the given weight
         from quantization.fp8.convert import _convert_linear
 
@@ -183,7 +186,7 @@ def _grouped_candidates(platform) -> dict:
     """{(candidate, recipe): fn(x [P, K], w [E, N, K], offs) -> y}."""
     import torch
 
-    from quantization.fp8.gemms import fp8_grouped_mm
+    from quantization.fp8.gemms import _Fp8GroupedMMFn, fp8_grouped_mm
     from quantization.fp8.kernels import DEEPGEMM, EMULATED, PER_EXPERT, ROWWISE_GROUPED
 
     candidates = {("bf16 grouped_mm", "none"): lambda x, w, offs: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)}
@@ -193,6 +196,8 @@ def _grouped_candidates(platform) -> dict:
         lambda x, w, offs: fp8_grouped_mm(x, w, offs, "rowwise", ROWWISE_GROUPED)
     candidates[("scaled_mm per expert (ours)", "blockwise")] = \
         lambda x, w, offs: fp8_grouped_mm(x, w, offs, "blockwise", PER_EXPERT)
+    candidates[("scaled_mm per expert (ours, W kept)", "blockwise")] = \
+        lambda x, w, offs: _Fp8GroupedMMFn.apply(x, w, offs, "blockwise", PER_EXPERT, None, True)
     def torchao_rowwise():  # needs triton
         from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 

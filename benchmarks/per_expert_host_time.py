@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import machine_info  # noqa: E402
 from quantization.fp8 import scaled_gemms  # noqa: E402
+from quantization.fp8.quantize import quantize_weight_blocks  # noqa: E402
 
 
 def measure(experts: int, rows: int, width: int, repeats: int, loops: int) -> list[float]:
@@ -39,8 +40,9 @@ def measure(experts: int, rows: int, width: int, repeats: int, loops: int) -> li
     w = torch.randn(experts, width, width, generator=gen).bfloat16()
     ends = [rows * (e + 1) for e in range(experts)]
     offs = torch.tensor(ends, dtype=torch.int32)
+    w_blocks = quantize_weight_blocks(w)
     operands = {gemm: scaled_gemms.quantize_per_expert(a, b, offs, gemm)
-                for gemm, a, b in (("fwd", x, w), ("dgrad", dy, w), ("wgrad", dy, x))}
+                for gemm, a, b in (("fwd", x, w_blocks), ("dgrad", dy, w_blocks.transposed()), ("wgrad", dy, x))}
 
     def passes(n: int) -> None:
         for _ in range(n):

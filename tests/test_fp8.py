@@ -567,28 +567,34 @@ def _backward_peak_beyond_gradients(fn, inputs, grads_bytes: int) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_memory_of_fp8_gemms_is_what_the_memory_plan_adds(dtype):
+@pytest.mark.parametrize("cast", [False, True], ids=["weight", "cast_copy"])
+def test_backward_memory_of_fp8_gemms_is_what_the_memory_plan_adds(dtype, cast):
     """`gemm_backward_extra_bytes` (the memory plan's FP8 term) against the exact tracker: linears whose largest
-    operand is dY, x or the weight, and grouped experts of both recipes, within 1% (the scales and offsets)."""
+    operand is dY, x or the weight, and grouped experts of both recipes, within 1% (the scales and offsets); with
+    the weight the parameter itself, and a copy cast for the call (blockwise then saves its forward's quantised
+    weight and quantises no W^T)."""
     from quantization.fp8.accounting import gemm_backward_extra_bytes
-    from quantization.fp8.gemms import _Fp8LinearFn
+    from quantization.fp8.gemms import _EMULATED_LINEAR, _Fp8GroupedMMFn, _Fp8LinearFn
 
     a = torch.finfo(dtype).bits // 8
     gen = torch.Generator().manual_seed(0)
     for M, K, N in ((1024, 256, 1024), (1024, 1024, 256), (256, 1024, 1024)):
         x = torch.randn(M, K, generator=gen, dtype=dtype).requires_grad_()
         w = torch.randn(N, K, generator=gen, dtype=dtype).requires_grad_()
-        got = _backward_peak_beyond_gradients(lambda: _Fp8LinearFn.apply(x, w, "blockwise"), [x, w],
-                                              a * (M * K + N * K))
-        assert got == pytest.approx(gemm_backward_extra_bytes("blockwise", M, K, N, a), rel=0.01), (M, K, N)
+        got = _backward_peak_beyond_gradients(lambda: _Fp8LinearFn.apply(x, w, "blockwise", _EMULATED_LINEAR, cast),
+                                              [x, w], a * (M * K + N * K))
+        want = gemm_backward_extra_bytes("blockwise", M, K, N, a, weight_kept=cast)
+        assert got == pytest.approx(want, rel=0.01), (M, K, N)
     E, K, N, P = 8, 256, 384, 4096
     offs = torch.arange(1, E + 1, dtype=torch.int32) * (P // E)
     for recipe in ("blockwise", "rowwise"):
         x = torch.randn(P, K, generator=gen, dtype=dtype).requires_grad_()
         w = torch.randn(E, N, K, generator=gen, dtype=dtype).requires_grad_()
-        got = _backward_peak_beyond_gradients(lambda: fp8_grouped_mm(x, w, offs, recipe), [x, w, offs],
-                                              a * (P * K + E * N * K))
-        assert got == pytest.approx(gemm_backward_extra_bytes(recipe, P, K, N, a, E), rel=0.01), recipe
+        got = _backward_peak_beyond_gradients(
+            lambda: _Fp8GroupedMMFn.apply(x, w, offs, recipe, "emulated", None, cast), [x, w, offs],
+            a * (P * K + E * N * K))
+        want = gemm_backward_extra_bytes(recipe, P, K, N, a, E, weight_kept=cast and recipe == "blockwise")
+        assert got == pytest.approx(want, rel=0.01), recipe
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -748,13 +754,17 @@ def test_per_expert_experts_read_the_group_ends_once_per_forward_and_backward(mo
 
     from models.deepseek_v3.moe import _swiglu_quantized
     from quantization.fp8.kernels import Platform
+    from quantization.fp8.quantize import WeightBlocks
 
     def on_cpu(a, b, offs, ends, gemm):  # the per-expert GEMMs' shapes, from what the CPU computes, using the ends
         assert ends.device.type == "cpu"
         used = (ends[-1] > 0).to(a.dtype)
         if gemm == "wgrad":
             return a.new_ones(ends.shape[0], a.shape[1], b.shape[1]) * used
-        return a @ (b[0].t() if gemm == "fwd" else b[0]) * used
+        return a @ b.q[0].t() * used  # W's blocks (fwd), W^T's (dgrad): K last
+
+    def blocks(w):  # the weights of 64 rows and columns stay as they are, with one scale (no 128 x 128 blocks)
+        return WeightBlocks(w, w.new_ones(*w.shape[:-2], 1, 1))
 
     graphs = {}
 
@@ -767,6 +777,7 @@ def test_per_expert_experts_read_the_group_ends_once_per_forward_and_backward(mo
         return compiler
 
     monkeypatch.setattr(gemms, "blockwise_grouped", on_cpu)
+    monkeypatch.setattr(gemms, "quantize_weight_blocks", blocks)
     monkeypatch.setattr(gemms, "grouped_kernel", lambda *args: PER_EXPERT)  # as on a Hopper GPU
     mm = gemms.Fp8GroupedMM("blockwise", platform=Platform("cpu"))
     torch._dynamo.reset()
@@ -786,6 +797,7 @@ def test_real_kernel_layouts_pass_torchs_checks():
     is refused here too."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from quantization.fp8.quantize import quantize_weight_blocks
     from quantization.fp8.scaled_gemms import (_mm_scales, _scaled_blockwise, blockwise_grouped, blockwise_mm,
                                                per_expert_blockwise, rowwise_grouped_mm, rowwise_grouped_wgrad)
 
@@ -793,9 +805,12 @@ def test_real_kernel_layouts_pass_torchs_checks():
     with FakeTensorMode(allow_non_fake_inputs=True):
         M, K, N, E, P = 256, 2048, 640, 3, 640  # K / 128 = 16 blocks, N / 128 = 5 (padding to 8 for 128 x 128)
         x, w, dy = torch.empty(M, K, **bf16), torch.empty(N, K, **bf16), torch.empty(M, N, **bf16)
-        assert blockwise_mm(x, w, True).shape == (M, N)  # forward
-        assert blockwise_mm(dy, w.t(), True).shape == (M, K)  # dgrad (contraction N: 5 blocks padded to 8)
-        assert blockwise_mm(dy.t(), x.t(), False).shape == (N, K)  # wgrad, 1 x 128 x 1 x 128 along the tokens
+        w_blocks = quantize_weight_blocks(w)
+        assert blockwise_mm(x, w_blocks).shape == (M, N)  # forward
+        # dgrad (contraction N: 5 blocks padded to 8): the forward's blocks transposed, or W^T quantised
+        assert blockwise_mm(dy, w_blocks.transposed()).shape == (M, K)
+        assert blockwise_mm(dy, quantize_weight_blocks(w.t())).shape == (M, K)
+        assert blockwise_mm(dy.t(), x.t()).shape == (N, K)  # wgrad, 1 x 128 x 1 x 128 along the tokens
         xg, wg, dyg = torch.empty(P, K, **bf16), torch.empty(E, N, K, **bf16), torch.empty(P, N, **bf16)
         offs = torch.empty(E, device="cuda", dtype=torch.int32)
         assert rowwise_grouped_mm(xg, wg, offs).shape == (P, N)
@@ -803,17 +818,21 @@ def test_real_kernel_layouts_pass_torchs_checks():
         seg = torch.empty(P, device="cuda", dtype=torch.int64)
         assert rowwise_grouped_wgrad(dyg, xg, offs, seg).shape == (E, N, K)
         ends = [256, 256, 512]  # an empty expert, then rows past the last group
-        assert per_expert_blockwise(xg, wg, offs, ends, "fwd").shape == (P, N)
-        assert per_expert_blockwise(dyg, wg, offs, ends, "dgrad").shape == (P, K)
+        wg_blocks = quantize_weight_blocks(wg)
+        assert per_expert_blockwise(xg, wg_blocks, offs, ends, "fwd").shape == (P, N)
+        assert per_expert_blockwise(dyg, wg_blocks.transposed(), offs, ends, "dgrad").shape == (P, K)
+        assert per_expert_blockwise(dyg, quantize_weight_blocks(wg.transpose(-2, -1)), offs, ends,
+                                    "dgrad").shape == (P, K)
         assert per_expert_blockwise(dyg, xg, offs, ends, "wgrad").shape == (E, N, K)
         # K and N of one 128 tile: one scale per row, each expert's block scales padded from 1 column to 4
         x1, w1, dy1 = torch.empty(P, 128, **bf16), torch.empty(E, 128, 128, **bf16), torch.empty(P, 128, **bf16)
-        assert per_expert_blockwise(x1, w1, offs, ends, "fwd").shape == (P, 128)
-        assert per_expert_blockwise(dy1, w1, offs, ends, "dgrad").shape == (P, 128)
+        w1_blocks = quantize_weight_blocks(w1)
+        assert per_expert_blockwise(x1, w1_blocks, offs, ends, "fwd").shape == (P, 128)
+        assert per_expert_blockwise(dy1, w1_blocks.transposed(), offs, ends, "dgrad").shape == (P, 128)
         assert per_expert_blockwise(dy1, x1, offs, ends, "wgrad").shape == (E, 128, 128)
         # the custom op that the model calls, through its fake kernel
-        assert blockwise_grouped(xg, wg, offs, offs, "fwd").shape == (P, N)
-        assert blockwise_grouped(dyg, wg, offs, offs, "dgrad").shape == (P, K)
+        assert blockwise_grouped(xg, wg_blocks, offs, offs, "fwd").shape == (P, N)
+        assert blockwise_grouped(dyg, wg_blocks.transposed(), offs, offs, "dgrad").shape == (P, K)
         assert blockwise_grouped(dyg, xg, offs, offs, "wgrad").shape == (E, N, K)
         # a row count that is not a multiple of 128 (the emulation's case): padded inside the quantisation
         q300, s300 = quantize_row_segments(torch.empty(300, K, **bf16), torch.empty(300, device="cuda",
@@ -843,6 +862,7 @@ def test_per_expert_gemms_take_views_and_write_one_output():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from quantization.fp8 import scaled_gemms
+    from quantization.fp8.quantize import quantize_weight_blocks
     from quantization.fp8.scaled_gemms import _k_major, _per_expert, quantize_per_expert
 
     into = scaled_gemms._blockwise_into_checked  # each GEMM as torch's checks of it on fake tensors
@@ -864,7 +884,8 @@ def test_per_expert_gemms_take_views_and_write_one_output():
         offs = torch.empty(E, device="cuda", dtype=torch.int32)
         ends = [256, 256, 768, 896]  # an empty expert, experts starting inside the tensor, rows past the last
         shapes = {"fwd": (P, N), "dgrad": (P, K), "wgrad": (E, N, K)}
-        for gemm, a, b in (("fwd", xg, wg), ("dgrad", dyg, wg), ("wgrad", dyg, xg)):
+        w_blocks = quantize_weight_blocks(wg)
+        for gemm, a, b in (("fwd", xg, w_blocks), ("dgrad", dyg, w_blocks.transposed()), ("wgrad", dyg, xg)):
             operands = quantize_per_expert(a, b, offs, gemm)
             with Counted() as counted:
                 assert _per_expert(*operands, ends, gemm, torch.bfloat16, into).shape == shapes[gemm]
@@ -946,44 +967,169 @@ def _reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
                         for e, (s, t) in enumerate(zip(starts, offs.tolist()))]).to(out_dtype)
 
 
+def _with_reference_gemms(monkeypatch) -> None:
+    """torch's FP8 GEMMs (no CPU kernels) replaced by references that compute what their scales mean."""
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(F, "scaled_mm", _reference_scaled_mm)
+    monkeypatch.setattr(torch, "_scaled_mm_v2", _reference_scaled_mm_v2)  # the per-expert GEMMs' out= form
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _reference_scaled_grouped_mm)
+
+
+def _real_linear_case(seed: int):
+    """x [256, 384] with channels of unequal scale, W [640, 384], dY, in bf16, and every GEMM's real kernel."""
+    from quantization.fp8.kernels import SCALED_MM_BLOCKS, SCALED_MM_TILES, LinearKernels
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(256, 384, generator=gen) * torch.logspace(-1, 1, 384)).bfloat16()
+    w = (torch.randn(640, 384, generator=gen) * 0.05).bfloat16()
+    dy = torch.randn(256, 640, generator=gen).bfloat16()
+    return x, w, dy, LinearKernels(SCALED_MM_BLOCKS, SCALED_MM_BLOCKS, SCALED_MM_TILES)
+
+
+def _outputs_and_gradients(fn, x, w, dy) -> tuple:
+    """(y, dx, dW) of y = fn(x, w) with upstream gradient dy."""
+    xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fn(xi, wi)
+    y.backward(dy)
+    return y.detach(), xi.grad, wi.grad
+
+
 @pytest.mark.parametrize("kernel", ["linear", "_scaled_grouped_mm rowwise", "scaled_mm per expert"])
 def test_real_kernel_paths_against_the_emulation_with_reference_gemms(monkeypatch, kernel):
     """The real-kernel paths' bookkeeping (which operand, which tiles, slices per expert, scale layouts, empty
     experts, rows past the last group) on CPU: torch's FP8 GEMMs replaced by references that compute what their
     scales mean; forward and both gradients equal the emulation's to bf16 rounding (the e4m3 operands are the
     same bits; only the GEMMs' output rounding differs)."""
-    import torch.nn.functional as F
-
     from quantization.fp8.gemms import _EMULATED_LINEAR, _Fp8LinearFn
-    from quantization.fp8.kernels import SCALED_MM_BLOCKS, SCALED_MM_TILES, LinearKernels
 
-    monkeypatch.setattr(F, "scaled_mm", _reference_scaled_mm)
-    monkeypatch.setattr(torch, "_scaled_mm_v2", _reference_scaled_mm_v2)  # the per-expert GEMMs' out= form
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", _reference_scaled_grouped_mm)
-    gen = torch.Generator().manual_seed(6)
+    _with_reference_gemms(monkeypatch)
     if kernel == "linear":
-        x = (torch.randn(256, 384, generator=gen) * torch.logspace(-1, 1, 384)).bfloat16()
-        w = (torch.randn(640, 384, generator=gen) * 0.05).bfloat16()
-        dy = torch.randn(256, 640, generator=gen).bfloat16()
-        real = LinearKernels(SCALED_MM_BLOCKS, SCALED_MM_BLOCKS, SCALED_MM_TILES)
+        x, w, dy, real = _real_linear_case(6)
         fns = tuple(lambda a, b, k=k: _Fp8LinearFn.apply(a, b, "blockwise", k) for k in (_EMULATED_LINEAR, real))
     else:
         x, w, dy, offs, _, _ = _grouped_case()
         x, w, dy = x.bfloat16(), w.bfloat16(), dy.bfloat16()
         recipe = "rowwise" if "rowwise" in kernel else "blockwise"
         fns = tuple(lambda a, b, k=k: fp8_grouped_mm(a, b, offs, recipe, k) for k in ("emulated", kernel))
-    results = []
-    for fn in fns:
-        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = fn(xi, wi)
-        y.backward(dy)
-        results.append((y.detach(), xi.grad, wi.grad))
+    results = [_outputs_and_gradients(fn, x, w, dy) for fn in fns]
     for got, want in zip(results[1], results[0]):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert _rel(got.float(), want.float()) < 2 ** -8
     if kernel != "linear":
         assert torch.equal(results[1][2][1], torch.zeros_like(w[1]))  # the expert with no tokens
-        assert torch.equal(results[1][0][int(offs[-1]):], torch.zeros_like(y[int(offs[-1]):]))
+        tail = results[1][0][int(offs[-1]):]
+        assert torch.equal(tail, torch.zeros_like(tail))
+
+
+def test_weight_blocks_transposed_are_the_blocks_of_the_transpose():
+    """W^T's 128 x 128 blocks are W's transposed: the e4m3 values and scales of `WeightBlocks.transposed` are those
+    of quantising W^T, bit for bit, for a linear's weight and a stack of experts' (an outlier block included); and
+    the emulation's dequantised W^T is its dequantised W transposed, partial tiles at the ends included."""
+    from quantization.fp8.quantize import qdq_weight, quantize_weight_blocks
+
+    gen = torch.Generator().manual_seed(11)
+    for shape in ((384, 256), (3, 256, 640)):
+        w = (torch.randn(shape, generator=gen) * torch.logspace(-3, 3, shape[-1])).bfloat16()
+        w[..., :128, :128] *= 2.0 ** 100
+        kept, again = quantize_weight_blocks(w).transposed(), quantize_weight_blocks(w.transpose(-2, -1))
+        assert kept.q.is_contiguous() and kept.q.shape == again.q.shape
+        assert torch.equal(kept.q.view(torch.uint8), again.q.view(torch.uint8)), shape
+        assert torch.equal(kept.scale, again.scale), shape
+    w = torch.randn(200, 300, generator=gen).bfloat16()
+    assert torch.equal(qdq_weight(w.t(), "blockwise", torch.bfloat16), qdq_weight(w, "blockwise", torch.bfloat16).t())
+
+
+class _Counted:
+    """Calls of the weight quantisations `quantization.fp8.gemms` makes (emulated `qdq_weight`, real-kernel
+    `quantize_weight_blocks`), by pass."""
+
+    def __init__(self, monkeypatch):
+        from quantization.fp8 import gemms
+
+        self.calls = 0
+        for name in ("qdq_weight", "quantize_weight_blocks"):
+            monkeypatch.setattr(gemms, name, self._counting(getattr(gemms, name)))
+
+    def _counting(self, fn):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    def take(self) -> int:
+        calls, self.calls = self.calls, 0
+        return calls
+
+
+def test_a_cast_weight_is_quantised_once_per_pass_with_the_same_gradients(monkeypatch):
+    """A blockwise FP8 linear and the routed experts under bf16 autocast with float32 weights (one process: the
+    weight each GEMM gets is a copy cast for it) quantise the weight in the forward only, and the dgrad multiplies
+    the forward's quantised weight: output and both gradients equal, bit for bit, those of quantising W^T again in
+    the backward (what a weight that is the parameter itself, FSDP2's bf16 one, still does, as the control shows).
+    Rowwise scales W^T along the other dimension: quantised again."""
+    from quantization.fp8.gemms import _EMULATED_LINEAR, _Fp8GroupedMMFn, _Fp8LinearFn
+
+    counted = _Counted(monkeypatch)
+    gen = torch.Generator().manual_seed(12)
+    linear = torch.nn.Linear(256, 384, bias=False)
+    torch.nn.init.normal_(linear.weight, std=0.05, generator=gen)
+    fp8 = Fp8Linear.from_linear(linear, "blockwise", kernels="emulated")
+    x, dy = torch.randn(64, 256, generator=gen), torch.randn(64, 384, generator=gen).bfloat16()
+
+    def run(fn, dy, *inputs):
+        """(weight quantisations in forward, in backward, [y, input gradients])"""
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        y = fn(*leaves)
+        forward = counted.take()
+        y.backward(dy)
+        return forward, counted.take(), [y.detach()] + [t.grad for t in leaves]
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept = run(lambda x, w: torch.func.functional_call(fp8, {"weight": w}, (x,)), dy, x, fp8.weight)
+    again = run(lambda x, w: _Fp8LinearFn.apply(x.bfloat16(), w.bfloat16(), "blockwise", _EMULATED_LINEAR), dy, x,
+                fp8.weight)
+    assert (kept[0], kept[1]) == (1, 0) and (again[0], again[1]) == (1, 1)
+    for got, want in zip(kept[2], again[2]):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+    xg, w, dy, offs, _, _ = _grouped_case()
+    xg, dy = xg.bfloat16(), dy.bfloat16()
+    for recipe, backward_calls in (("blockwise", 0), ("rowwise", 1)):
+        kept = run(lambda x, w: fp8_grouped_mm(x, w, offs, recipe), dy, xg, w)  # float32 w: a cast copy
+        again = run(lambda x, w: _Fp8GroupedMMFn.apply(x, w.bfloat16(), offs, recipe), dy, xg, w)
+        assert (kept[0], kept[1]) == (1, backward_calls) and (again[0], again[1]) == (1, 1), recipe
+        for got, want in zip(kept[2], again[2]):
+            assert got.dtype == want.dtype and torch.equal(got, want), recipe
+    assert run(lambda x, w: fp8_grouped_mm(x, w, offs, "blockwise"), dy, xg, w.bfloat16())[:2] == (1, 1)
+
+
+@pytest.mark.parametrize("kernel", ["linear", "scaled_mm per expert"])
+def test_real_kernel_paths_with_the_forwards_weight_kept_give_the_same_bits(monkeypatch, kernel):
+    """The real blockwise kernels' dgrad on the forward's e4m3 weight blocks, transposed (a weight cast for the
+    call), against quantising W^T again (a weight that is the parameter): the same e4m3 operands, so the same
+    output and gradients bit for bit (torch's FP8 GEMMs replaced by references on CPU, as above); the weight is
+    quantised once, in the forward."""
+    from quantization.fp8.gemms import _Fp8GroupedMMFn, _Fp8LinearFn
+    from quantization.fp8.kernels import PER_EXPERT
+
+    _with_reference_gemms(monkeypatch)
+    counted = _Counted(monkeypatch)
+    if kernel == "linear":
+        x, w, dy, real = _real_linear_case(13)
+        fns = [lambda a, b, cast=cast: _Fp8LinearFn.apply(a, b, "blockwise", real, cast) for cast in (False, True)]
+    else:
+        x, w, dy, offs, _, _ = _grouped_case()
+        x, w, dy = x.bfloat16(), w.bfloat16(), dy.bfloat16()
+        fns = [lambda a, b, cast=cast: _Fp8GroupedMMFn.apply(a, b, offs, "blockwise", PER_EXPERT, None, cast)
+               for cast in (False, True)]
+    results, calls = [], []
+    for fn in fns:
+        results.append(_outputs_and_gradients(fn, x, w, dy))
+        calls.append(counted.take())
+    assert calls == [2, 1]
+    for got, want in zip(results[1], results[0]):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.slow

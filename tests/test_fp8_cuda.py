@@ -62,10 +62,10 @@ def _run(fn, inputs, dy, count_ops: bool = False):
     return [y.detach(), *(t.grad for t in leaves)], counter.counts
 
 
-def _linear(recipe_kernels: str, tokens: int, seed: int):
+def _linear(recipe_kernels: str, tokens: int, seed: int, weight_dtype: torch.dtype = torch.float32):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     K, N = 2048, 1536
-    lin = torch.nn.Linear(K, N, bias=False, device="cuda")
+    lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=weight_dtype)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(N, K, device="cuda", generator=gen) * 0.02)
     x = torch.randn(tokens, K, device="cuda", generator=gen) * torch.logspace(-1, 1, K, device="cuda")
@@ -85,14 +85,16 @@ def _linear_outputs(module, x, dy):
     return [y.detach(), dx, dw], counter.counts
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["fp32_weight_cast", "bf16_weight"])
 @pytest.mark.parametrize("tokens", [4096, 4000], ids=["tokens_multiple_of_128", "tokens_not_multiple_of_128"])
-def test_cuda_blockwise_linear_scaled_mm_matches_the_emulation(tokens):
+def test_cuda_blockwise_linear_scaled_mm_matches_the_emulation(tokens, weight_dtype):
     """Forward and dgrad on scaled_mm 1x128 x 128x128, wgrad on 1x128 x 1x128 (emulated when the tokens are not a
-    multiple of 128): output and both gradients within bf16 rounding of the emulation."""
+    multiple of 128): output and both gradients within bf16 rounding of the emulation; with a float32 weight cast
+    for the call (the dgrad takes the forward's e4m3 blocks, transposed) and a bf16 one (W^T quantised again)."""
     kernels = blockwise_linear_kernels(_platform(), torch.bfloat16, tokens, 2048, 1536)
     _require(kernels.fwd, "blockwise linears")
     seed = _fresh_seed()
-    real, x, dy = _linear("auto", tokens, seed)
+    real, x, dy = _linear("auto", tokens, seed, weight_dtype)
     got, counts = _linear_outputs(real, x, dy)
     want, _ = _linear_outputs(Fp8Linear.from_linear(real, "blockwise", "emulated", _platform()), x, dy)
     assert counts.get(SCALED_MM_OP) == (3 if kernels.wgrad != EMULATED else 2), counts
@@ -123,14 +125,17 @@ def _grouped(seed: int, K: int = 2048, N: int = 1536):
     ("rowwise", ROWWISE_GROUPED, "aten._scaled_grouped_mm.default"),
     ("blockwise", PER_EXPERT, "dsv3_fp8.blockwise_grouped_mm.default"),
 ], ids=["rowwise_scaled_grouped_mm", "blockwise_scaled_mm_per_expert"])
-def test_cuda_grouped_experts_kernel_matches_the_emulation(recipe, kernel, op):
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16_weights", "fp32_weights_cast"])
+def test_cuda_grouped_experts_kernel_matches_the_emulation(recipe, kernel, op, weight_dtype):
     """Uneven groups, an empty expert and rows past the last group: the real kernel's output, input gradient and
-    weight gradient within bf16 rounding of the emulation; the empty expert's gradient and the tail rows zero."""
+    weight gradient within bf16 rounding of the emulation; the empty expert's gradient and the tail rows zero. With
+    float32 weights cast for the call, blockwise's dgrad takes the forward's e4m3 blocks, transposed."""
     p = _platform()
     available = grouped_kernel(p.with_values(deep_gemm=False), recipe, torch.bfloat16, 2048, 1536)
     _require(available if available == kernel else EMULATED, f"{recipe} grouped experts ({kernel})")
     seed = _fresh_seed()
     x, w, dy, offs = _grouped(seed)
+    w = w.to(weight_dtype)
     got, counts = _run(lambda a, b: fp8_grouped_mm(a, b, offs, recipe, kernel), [x, w], dy, count_ops=True)
     want, _ = _run(lambda a, b: fp8_grouped_mm(a, b, offs, recipe, EMULATED), [x, w], dy)
     assert counts.get(op, 0) > 0, counts

@@ -348,7 +348,14 @@ def test_fp8_operands_from_the_models_shapes():
     assert ops.elements_per_flop == pytest.approx((4 * attention + 3 * moe) / fp8_flops)
     linears = 4 * (2048 * 3072 + 512 * 4096 + 2048 * 2048) + 3 * 3 * 2048 * 2816
     experts = 3 * 64 * 3 * 2048 * 1408
-    assert ops.weight_elements == pytest.approx(2 * (linears + experts))  # one rank holds every weight
+    # one rank holds every weight; without FSDP, autocast casts each weight for its GEMMs and blockwise quantises
+    # it once per pass, the dgrad taking the forward's e4m3 W transposed
+    assert ops.weight_elements == pytest.approx(linears + experts)
+    assert ops.weight_transposed_elements == ops.weight_elements
+    rowwise = load_config(["--job.config_file", os.path.join(CONFIGS, "h100_bench.toml"), "--fp8.recipe", "rowwise",
+                           "--fp8.exclude_modules", "default,feed_forward"])
+    ops = fp8_operands(spec, args, rowwise, dims, work)  # W along K for the forward, W^T along N for the dgrad
+    assert ops.weight_elements == pytest.approx(2 * (linears + experts)) and ops.weight_transposed_elements == 0
     assert fp8_operands(spec, args, load_config(["--job.config_file", os.path.join(CONFIGS, "h100_bench.toml")]),
                         dims, work) is None
 

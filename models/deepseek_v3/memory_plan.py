@@ -226,11 +226,14 @@ def _unit_params(args: ModelArgs, key: tuple) -> dict[str, list[tuple[str, tuple
 
 
 def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, selection: Fp8Selection,
-                       expert_align: int) -> tuple[int, int]:
+                       expert_align: int, weights_cast: bool = False) -> tuple[int, int]:
     """(attention, FFN) half of a block: the most any one of its FP8 GEMMs' backward allocates beyond the
-    high-precision backward (`quantization.fp8.accounting.gemm_backward_extra_bytes`); (0, 0) with recipe none."""
+    high-precision backward (`quantization.fp8.accounting.gemm_backward_extra_bytes`); (0, 0) with recipe none.
+    `weights_cast`: the GEMMs get copies of the weights cast to the compute dtype (autocast without FSDP), so
+    blockwise saves the forward's quantised weight for the dgrad."""
     if selection.recipe == "none":
         return 0, 0
+    kept = weights_cast and selection.recipe == "blockwise"
     extra = {"attention": 0, "ffn": 0}
     N = received_rows(args, sh) if moe else 0
     for fqn, gemms in block_gemms(args, moe).items():
@@ -240,7 +243,7 @@ def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, selection: Fp8Sele
         for k, n, copies in gemms:
             experts = copies // sh.ep if copies > 1 else 0
             rows = padded_rows(N, experts, expert_align) if experts else sh.T
-            b = gemm_backward_extra_bytes(selection.recipe, rows, k, n, sh.act, experts)
+            b = gemm_backward_extra_bytes(selection.recipe, rows, k, n, sh.act, experts, weight_kept=kept)
             extra[half] = max(extra[half], b)
     return extra["attention"], extra["ffn"]
 
@@ -273,7 +276,8 @@ def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, params: list[
         sent = T * args.n_activated_experts
         ffn_ws += (sent + received) * args.dim * a  # all-to-all buffers of the gradients, there and back
         a2a = 2 * max(sent, received) * args.dim * a  # dispatch and combine
-    fp8_attn, fp8_ffn = fp8_backward_extra(args, moe, sh, selection, align)
+    # parameters gathered (or held) in more bytes than the compute dtype's: the GEMMs get cast copies
+    fp8_attn, fp8_ffn = fp8_backward_extra(args, moe, sh, selection, align, weights_cast=gather_bytes > a)
     attn_ws += fp8_attn
     ffn_ws += fp8_ffn
     # FSDP gathers the block's dense weights whole and the experts' weights of this EP rank

@@ -15,24 +15,26 @@ __all__ = ["fp8_flops_per_token", "fp8_operand_elements", "gemm_backward_extra_b
 
 
 def gemm_backward_extra_bytes(recipe: str, rows: int, in_features: int, out_features: int, act_bytes: int,
-                              experts: int = 0) -> int:
+                              experts: int = 0, weight_kept: bool = False) -> int:
     """Peak bytes the backward of one emulated FP8 GEMM allocates beyond the high-precision GEMM's backward (whose
     peak is its two gradients), for the memory plan.
 
     x [rows, in], W [out, in] (a linear, `experts` = 0) or [experts, out, in] (grouped), dY [rows, out], in the
-    compute dtype of `act_bytes` per element. The peak is the largest of the backward's phases, in the order
-    `gemms._Fp8LinearFn.backward` / `gemms._Fp8GroupedMMFn.backward` run them: each quantise-dequantise of an operand peaks at
-    `qdq_work_bytes` per element (its result included), while the copies made before it are still held. Measured
-    against the exact tracker within 1% (docs/fp8.md, "Memory"). Rowwise linears are torchao's; they are planned
-    as ours.
+    compute dtype of `act_bytes` per element; `weight_kept`: the forward saved its quantised weight for the dgrad
+    (`gemms._keeps_weight`), which then quantises no W^T. The peak is the largest of the backward's phases, in the
+    order `gemms._Fp8LinearFn.backward` / `gemms._Fp8GroupedMMFn.backward` run them: each quantise-dequantise of an
+    operand peaks at `qdq_work_bytes` per element (its result included), while the copies made before it are still
+    held. Measured against the exact tracker within 1% (docs/fp8.md, "Memory"). Rowwise linears are torchao's;
+    they are planned as ours.
     """
     a, qdq = act_bytes, qdq_work_bytes(act_bytes)
     x, dy = rows * in_features, rows * out_features
     w = max(experts, 1) * in_features * out_features
+    wt = 0 if weight_kept else a * w  # W^T's dequantised copy, until the dgrad GEMM has run
     if not experts:
         phases = (qdq * dy,  # dgrad: dY quantised
-                  a * dy + qdq * w,  # W^T quantised, dY's copy held
-                  a * (dy + w + x),  # the dgrad GEMM: both copies and dx
+                  0 if weight_kept else a * dy + qdq * w,  # W^T quantised, dY's copy held
+                  a * (dy + x) + wt,  # the dgrad GEMM: both operands and dx
                   a * x + qdq * dy,  # wgrad: dY^T quantised, dx held
                   a * (x + dy) + qdq * x,  # x^T quantised
                   a * (2 * x + dy + w))  # the wgrad GEMM: both copies, dx and dW
@@ -40,10 +42,10 @@ def gemm_backward_extra_bytes(recipe: str, rows: int, in_features: int, out_feat
         # the rowwise experts' wgrad quantises per expert segment (fp32 product and e4m3, then the transposed e4m3),
         # then dequantises with each element's scale expanded: e4m3, result and scales, 1 + 2a per element
         wq = qdq if recipe == "blockwise" else max(qdq, 1 + 2 * a)
-        held = a * (dy + w)  # the zero-tailed dY and W^T's dequantised copy, held throughout
-        phases = (a * dy + (a + qdq) * w,  # W^T: reshaped into a copy, then quantised
-                  held + qdq * dy,  # dgrad: dY quantised
-                  held + a * (dy + x),  # the dgrad GEMM
+        held = a * dy  # the zero-tailed dY, held throughout
+        phases = (held + (0 if weight_kept else (a + qdq) * w),  # W^T: reshaped into a copy, then quantised
+                  held + wt + qdq * dy,  # dgrad: dY quantised
+                  held + wt + a * (dy + x),  # the dgrad GEMM
                   held + a * x + wq * dy,  # wgrad: dY^T quantised, dx held
                   held + a * (x + dy) + wq * x,  # x^T quantised
                   held + a * (dy + 2 * x + 2 * w),  # the wgrad GEMM, and dW with its empty experts zeroed

@@ -17,8 +17,8 @@ from torch import nn
 
 from quantization.fp8.kernels import (DEEPGEMM, EMULATED, PER_EXPERT, ROWWISE_GROUPED, LinearKernels, Platform,
                                       blockwise_linear_kernels, grouped_kernel)
-from quantization.fp8.quantize import (BLOCK, dequantize_row_segments, qdq_activation, qdq_weight,
-                                       quantize_row_segments, row_segments)
+from quantization.fp8.quantize import (BLOCK, WeightBlocks, dequantize_row_segments, qdq_activation, qdq_weight,
+                                       quantize_row_segments, quantize_weight_blocks, row_segments)
 from quantization.fp8.scaled_gemms import blockwise_grouped, blockwise_mm, rowwise_grouped_mm, rowwise_grouped_wgrad
 
 __all__ = ["Fp8GroupedMM", "Fp8Linear", "fp8_grouped_mm"]
@@ -26,39 +26,63 @@ __all__ = ["Fp8GroupedMM", "Fp8Linear", "fp8_grouped_mm"]
 _EMULATED_LINEAR = LinearKernels(EMULATED, EMULATED, EMULATED)
 
 
+def _keeps_weight(recipe: str, weight_cast: bool) -> bool:
+    """Whether an FP8 GEMM saves its forward's quantised weight for the dgrad: blockwise (W^T's 128 x 128 blocks
+    are W's, transposed; rowwise scales W^T along the other dimension) and the weight a copy cast for this call
+    (autocast's compute dtype from fp32 parameters, one process), which the saved e4m3 (real kernels, 1 byte per
+    element) or dequantised (emulation, the copy's bytes) weight replaces. A weight that is the parameter itself
+    (FSDP2's bf16 parameters, an fp32 run) is saved as it is and quantised again in the backward: saving its
+    quantised copy would hold a weight-sized tensor that FSDP frees after the forward (docs/fp8.md, "Memory")."""
+    return recipe == "blockwise" and weight_cast
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     """y = x W^T with every GEMM input (forward, dgrad, wgrad) quantised to e4m3 by `recipe`, each GEMM on its
-    kernel of `kernels` (default: all emulated).
+    kernel of `kernels` (default: all emulated); `weight_cast`: w is a copy cast for this call (`_keeps_weight`).
 
-    Saves the high-precision x and W (not their e4m3 copies) and quantises again in backward: a recompute, a
-    second backward or FSDP's re-gathered W give the same e4m3 values bit for bit.
+    Saves the high-precision x and quantises it again in backward: a recompute or a second backward give the same
+    e4m3 values bit for bit. The weight: its forward's blockwise quantisation where `_keeps_weight`, for the dgrad
+    (the real kernels take W^T's blocks as a transposed copy of the e4m3 values; the emulation multiplies the same
+    dequantised weight), else the high-precision W, quantised again in backward (FSDP's re-gathered W gives the
+    same bits).
     """
 
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, recipe: str,
-                kernels: LinearKernels = _EMULATED_LINEAR) -> torch.Tensor:
-        ctx.save_for_backward(x_MK, w_NK)
-        ctx.recipe, ctx.kernels = recipe, kernels
+                kernels: LinearKernels = _EMULATED_LINEAR, weight_cast: bool = False) -> torch.Tensor:
+        ctx.recipe, ctx.kernels, ctx.w_dtype = recipe, kernels, w_NK.dtype
+        ctx.kept = _keeps_weight(recipe, weight_cast)
         dtype = x_MK.dtype
         if kernels.fwd != EMULATED:
-            return blockwise_mm(x_MK, w_NK, b_blocks=True)
-        return qdq_activation(x_MK, recipe, dtype) @ qdq_weight(w_NK, recipe, dtype).t()
+            w_blocks = quantize_weight_blocks(w_NK)
+            y, weight = blockwise_mm(x_MK, w_blocks), w_blocks
+        else:
+            x_q = qdq_activation(x_MK, recipe, dtype)
+            w_dq = qdq_weight(w_NK, recipe, dtype)
+            y, weight = x_q @ w_dq.t(), (w_dq,)
+        ctx.save_for_backward(x_MK, *(weight if ctx.kept else (w_NK,)))
+        return y
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
-        x_MK, w_NK = ctx.saved_tensors
+        x_MK, *weight = ctx.saved_tensors
         recipe, dtype, kernels = ctx.recipe, x_MK.dtype, ctx.kernels
         dy_MN = dy_MN.to(dtype)
         if kernels.dgrad != EMULATED:
-            dx = blockwise_mm(dy_MN, w_NK.t(), b_blocks=True)
+            w_blocks = WeightBlocks(*weight).transposed() if ctx.kept else quantize_weight_blocks(weight[0].t())
+            dx = blockwise_mm(dy_MN, w_blocks)
         else:
-            dx = qdq_activation(dy_MN, recipe, dtype) @ qdq_weight(w_NK.t(), recipe, dtype).t()
+            dy_q = qdq_activation(dy_MN, recipe, dtype)
+            # W^T quantised along N, transposed back: for blockwise the forward's dequantised W itself
+            w_dq = weight[0] if ctx.kept else qdq_weight(weight[0].t(), recipe, dtype).t()
+            dx = dy_q @ w_dq
+            del dy_q, w_dq
         # weight gradient: contraction over the tokens, so both operands are tiled along them
         if kernels.wgrad != EMULATED:
-            dw = blockwise_mm(dy_MN.t(), x_MK.t(), b_blocks=False)
+            dw = blockwise_mm(dy_MN.t(), x_MK.t())
         else:
             dw = qdq_activation(dy_MN.t(), recipe, dtype) @ qdq_activation(x_MK.t(), recipe, dtype).t()
-        return dx, dw.to(w_NK.dtype), None, None
+        return dx, dw.to(ctx.w_dtype), None, None, None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -105,7 +129,7 @@ class Fp8Linear(nn.Linear):
             kernels = blockwise_linear_kernels(_platform(self.platform, x), dtype, x_MK.shape[0], self.in_features,
                                                self.out_features)
         with torch.autocast(x.device.type, enabled=False):
-            y = _Fp8LinearFn.apply(x_MK, self.weight.to(dtype), self.recipe, kernels)
+            y = _Fp8LinearFn.apply(x_MK, self.weight.to(dtype), self.recipe, kernels, self.weight.dtype != dtype)
         return y.view(*x.shape[:-1], -1)
 
 
@@ -124,44 +148,58 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     it), and P should be a multiple of 128 (the rowwise weight gradient's transposed operands are then laid out as
     `_grouped_mm` requires; the emulation pads other counts); rows past offs[-1] come out as zeros and get a zero
     gradient (CPU `_grouped_mm` leaves them uninitialised). An expert with no rows gets a zero weight gradient.
+    The weights are saved as `_Fp8LinearFn` saves its weight (`weight_cast`, `_keeps_weight`).
     """
 
     @staticmethod
     def forward(ctx, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str,
-                kernel: str = EMULATED, host_offs_E: torch.Tensor | None = None) -> torch.Tensor:
+                kernel: str = EMULATED, host_offs_E: torch.Tensor | None = None,
+                weight_cast: bool = False) -> torch.Tensor:
         # the per-expert loop needs the group ends on the host: the caller's copy (one per MoE layer), else
         # copied here (a host sync), saved for the backward's two GEMMs (on an H200 a read per GEMM left the GPU
         # idle 43 ms of a 285 ms step)
         ends_E = offs_E
         if kernel == PER_EXPERT:
             ends_E = _to_host(offs_E) if host_offs_E is None else host_offs_E
-        ctx.save_for_backward(x_PK, w_ENK, offs_E, ends_E)
-        ctx.recipe, ctx.kernel = recipe, kernel
+        ctx.recipe, ctx.kernel, ctx.w_dtype = recipe, kernel, w_ENK.dtype
+        ctx.kept = _keeps_weight(recipe, weight_cast) and kernel in (EMULATED, PER_EXPERT)
         dtype = x_PK.dtype
+        weight = (w_ENK,)
         if kernel == ROWWISE_GROUPED:
             y = rowwise_grouped_mm(x_PK, w_ENK, offs_E)
         elif kernel == PER_EXPERT:
-            y = blockwise_grouped(x_PK, w_ENK, offs_E, ends_E, "fwd")
+            w_blocks = quantize_weight_blocks(w_ENK)
+            y, weight = blockwise_grouped(x_PK, w_blocks, offs_E, ends_E, "fwd"), w_blocks
         else:
-            y = torch._grouped_mm(qdq_activation(x_PK, recipe, dtype),
-                                  qdq_weight(w_ENK, recipe, dtype).transpose(-2, -1), offs=offs_E)
+            x_q = qdq_activation(x_PK, recipe, dtype)
+            w_dq = qdq_weight(w_ENK, recipe, dtype)
+            y, weight = torch._grouped_mm(x_q, w_dq.transpose(-2, -1), offs=offs_E), (w_dq,)
+            del x_q
+        ctx.save_for_backward(x_PK, offs_E, ends_E, *(weight if ctx.kept else (w_ENK,)))
         return _zero_tail(y, offs_E)
 
     @staticmethod
     def backward(ctx, dy_PN: torch.Tensor):
-        x_PK, w_ENK, offs_E, ends_E = ctx.saved_tensors
+        x_PK, offs_E, ends_E, *weight = ctx.saved_tensors
         recipe, dtype, kernel = ctx.recipe, x_PK.dtype, ctx.kernel
         dy_PN = _zero_tail(dy_PN.to(dtype), offs_E)
         if kernel == ROWWISE_GROUPED:
-            dx = rowwise_grouped_mm(dy_PN, w_ENK.transpose(-2, -1), offs_E)
+            dx = rowwise_grouped_mm(dy_PN, weight[0].transpose(-2, -1), offs_E)
             dw = rowwise_grouped_wgrad(dy_PN, x_PK, offs_E, row_segments(x_PK.shape[0], offs_E))
         elif kernel == PER_EXPERT:
-            dx = blockwise_grouped(dy_PN, w_ENK, offs_E, ends_E, "dgrad")
+            # W^T quantised on its own where not kept (the forward's quantisation of W, which the same ops here
+            # would repeat, is what torch.compile's partitioner would then save for the backward instead)
+            w_blocks = WeightBlocks(*weight).transposed() if ctx.kept else \
+                quantize_weight_blocks(weight[0].transpose(-2, -1))
+            dx = blockwise_grouped(dy_PN, w_blocks, offs_E, ends_E, "dgrad")
             dw = blockwise_grouped(dy_PN, x_PK, offs_E, ends_E, "wgrad")
         else:
-            # dgrad contracts over N: W^T [E, K, N] is quantised along N (the same blocks as W for blockwise)
-            w_EKN = qdq_weight(w_ENK.transpose(-2, -1), recipe, dtype)
-            dx = torch._grouped_mm(qdq_activation(dy_PN, recipe, dtype), w_EKN.transpose(-2, -1), offs=offs_E)
+            # dgrad contracts over N: W^T [E, K, N] is quantised along N (the same blocks as W for blockwise: the
+            # forward's dequantised W, where kept)
+            w_dq = weight[0] if ctx.kept else \
+                qdq_weight(weight[0].transpose(-2, -1), recipe, dtype).transpose(-2, -1)
+            dx = torch._grouped_mm(qdq_activation(dy_PN, recipe, dtype), w_dq, offs=offs_E)
+            del w_dq
             if recipe == "blockwise":
                 a, b = qdq_activation(dy_PN.t(), recipe, dtype), qdq_activation(x_PK.t(), recipe, dtype)
             else:
@@ -172,7 +210,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
             dw = torch._grouped_mm(a, b.t(), offs=offs_E)
         counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
         dw = torch.where((counts_E > 0).view(-1, 1, 1), dw, 0)
-        return _zero_tail(dx, offs_E), dw.to(w_ENK.dtype), None, None, None, None
+        return _zero_tail(dx, offs_E), dw.to(ctx.w_dtype), None, None, None, None, None
 
 
 def _zero_tail(t_PX: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -190,10 +228,11 @@ def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
     `_Fp8GroupedMMFn`.
     """
     with torch.autocast(x_PK.device.type, enabled=False):
+        weight_cast = w_ENK.dtype != x_PK.dtype
         w_ENK = w_ENK.to(x_PK.dtype)
         if kernel == DEEPGEMM:
             return _zero_tail(_deepgemm_grouped_mm(x_PK, w_ENK, offs_E), offs_E)
-        return _Fp8GroupedMMFn.apply(x_PK, w_ENK, offs_E, recipe, kernel, host_offs_E)
+        return _Fp8GroupedMMFn.apply(x_PK, w_ENK, offs_E, recipe, kernel, host_offs_E, weight_cast)
 
 
 def _deepgemm_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,15 @@ tiles.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from core.quantization import FP8_TILE
 
-__all__ = ["BLOCK", "E4M3", "E4M3_MAX", "ROWWISE_ALIGN", "dequantize", "dequantize_row_segments", "e4m3_to",
-           "qdq_activation", "qdq_weight", "qdq_work_bytes", "quantize", "quantize_row_segments", "quantize_tiles",
-           "row_major", "row_segments"]
+__all__ = ["BLOCK", "E4M3", "E4M3_MAX", "ROWWISE_ALIGN", "WeightBlocks", "dequantize", "dequantize_row_segments",
+           "e4m3_to", "qdq_activation", "qdq_weight", "qdq_work_bytes", "quantize", "quantize_row_segments",
+           "quantize_tiles", "quantize_weight_blocks", "row_major", "row_segments"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -136,6 +138,30 @@ def quantize_tiles(t: torch.Tensor, tile_rows: int, tile_cols: int) -> tuple[tor
     scale, inverse = _pow2_scales(_tile_amax(tiles, keepdim=True))
     q = torch.mul(tiles, inverse).to(E4M3)
     return q.view(R, C), scale.view(R // tile_rows, C // tile_cols)
+
+
+class WeightBlocks(NamedTuple):
+    """A weight [..., N, K] (a stack of experts' too) in e4m3, with one fp32 scale per `BLOCK` x `BLOCK` block: the
+    forward's operand of the real blockwise kernels, whose dgrad takes W^T's blocks, the same ones transposed."""
+
+    q: torch.Tensor
+    """[..., N, K] e4m3, row-major."""
+    scale: torch.Tensor
+    """[..., N / BLOCK, K / BLOCK] fp32."""
+
+    def transposed(self) -> "WeightBlocks":
+        """W^T's blocks: the same e4m3 values and scales, transposed, the values copied row-major (the layout the
+        GEMMs take: K last). Bit for bit what `quantize_weight_blocks` gives of W^T, for a read and a write of one
+        byte per element where quantising W^T again reads the weight in bf16 for its maxima and its scaling."""
+        return WeightBlocks(row_major(self.q.transpose(-2, -1)), self.scale.transpose(-2, -1))
+
+
+def quantize_weight_blocks(w: torch.Tensor) -> WeightBlocks:
+    """`quantize_tiles` of a weight [..., N, K] in `BLOCK` x `BLOCK` blocks (N and K multiples of `BLOCK`, so no
+    block straddles two experts of a stack)."""
+    *lead, N, K = w.shape
+    q, scale = quantize_tiles(w.reshape(-1, K), BLOCK, BLOCK)
+    return WeightBlocks(q.view(w.shape), scale.view(*lead, N // BLOCK, K // BLOCK))
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, tile_rows: int, tile_cols: int,

@@ -33,7 +33,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from quantization.fp8.quantize import BLOCK, quantize_row_segments, quantize_tiles, row_major, row_segments
+from quantization.fp8.quantize import (BLOCK, WeightBlocks, quantize_row_segments, quantize_tiles, row_major,
+                                       row_segments)
 
 __all__ = ["blockwise_grouped", "blockwise_mm", "per_expert_blockwise", "quantize_per_expert", "rowwise_grouped_mm",
            "rowwise_grouped_wgrad"]
@@ -146,11 +147,13 @@ def _blockwise_into_checked(out: torch.Tensor, a_q: torch.Tensor, a_s: torch.Ten
                            f"{tuple(got.shape)} and out must be row-major")
 
 
-def blockwise_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, b_blocks: bool) -> torch.Tensor:
-    """a @ b^T in e4m3 (bf16 output): a in 1 x 128 tiles along K, b in 128 x 128 blocks (`b_blocks`) or in 1 x 128
-    tiles along K. All dims multiples of 128."""
+def blockwise_mm(a_MK: torch.Tensor, b: WeightBlocks | torch.Tensor) -> torch.Tensor:
+    """a @ b^T in e4m3 (a's dtype out), a quantised here in 1 x 128 tiles along K; b [N, K] a weight's 128 x 128
+    blocks, quantised by the caller (`quantize_weight_blocks`; W^T's for the dgrad: `WeightBlocks.transposed`), or a
+    tensor quantised here in 1 x 128 tiles along K (the weight gradient's x^T). All dims multiples of 128."""
     a_q, a_s = quantize_tiles(a_MK, 1, BLOCK)
-    b_q, b_s = quantize_tiles(b_NK, BLOCK, BLOCK) if b_blocks else quantize_tiles(b_NK, 1, BLOCK)
+    b_blocks = isinstance(b, WeightBlocks)
+    b_q, b_s = b if b_blocks else quantize_tiles(b, 1, BLOCK)
     a_s, b_s = _mm_scales(a_s, b_s, b_blocks)
     return _scaled_blockwise(a_q, a_s, b_q, b_s, b_blocks, a_MK.dtype)
 
@@ -228,38 +231,35 @@ def _(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor
     return a_q.new_empty(a_q.shape[0], b_q.shape[1], dtype=out_dtype)
 
 
-def quantize_per_expert(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, gemm: str
+def quantize_per_expert(a: torch.Tensor, b: WeightBlocks | torch.Tensor, offs_E: torch.Tensor, gemm: str
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The e4m3 operands of `_per_expert`'s `gemm` from a [P, X] and b (W [E, N, K] for fwd and dgrad, x [P, K] for
-    wgrad), with their scales laid out for its per-expert views: a's 1 x 128 scales in column-major blocks per group
-    (`_grouped_col_major`, from the group ends offs_E on the device) and the weights' 128 x 128 ones padded per
-    expert (fwd, dgrad); the weight gradient's two 1 x 128 scales column-major. Outside the custom op, so that
-    torch.compile fuses the quantisation and the layouts with their neighbours (inside it, every tile maximum,
-    product and cast ran as its own eager kernel: a third of the blockwise FP8 step at the 671B shapes on an H200).
-    The weight gradient quantises the whole 128-row tiles of a and b, which hold every group (groups end on
-    multiples of 128); the tiles past the last group are their own and go unused."""
+    """The e4m3 operands of `_per_expert`'s `gemm` from a [P, X] and b (fwd: W's blocks [E, N, K]; dgrad: W^T's
+    blocks [E, K, N], `WeightBlocks.transposed`; wgrad: x [P, K]), with their scales laid out for its per-expert
+    views: a's 1 x 128 scales in column-major blocks per group (`_grouped_col_major`, from the group ends offs_E on
+    the device) and the weights' 128 x 128 ones padded per expert (fwd, dgrad); the weight gradient's two 1 x 128
+    scales column-major. Outside the custom op, so that torch.compile fuses the quantisation and the layouts with
+    their neighbours (inside it, every tile maximum, product and cast ran as its own eager kernel: a third of the
+    blockwise FP8 step at the 671B shapes on an H200). The weight gradient quantises the whole 128-row tiles of a and
+    b, which hold every group (groups end on multiples of 128); the tiles past the last group are their own and go
+    unused."""
     if gemm == "wgrad":
         rows = a.shape[0] - a.shape[0] % BLOCK
         (a_q, a_s), (b_q, b_s) = (quantize_tiles(t.narrow(0, 0, rows).t(), 1, BLOCK) for t in (a, b))
         return a_q, _col_major(a_s), b_q, _col_major(b_s)
-    E = b.shape[0]
-    w = b if gemm == "fwd" else b.transpose(-2, -1)  # the second operand with its K last
-    rows, cols = w.shape[1:]
-    w_q, w_s = quantize_tiles(w.reshape(E * rows, cols), BLOCK, BLOCK)
     a_q, a_s = quantize_tiles(a, 1, BLOCK)
-    return (a_q, _grouped_col_major(a_s, offs_E), w_q.view(E, rows, cols),
-            _padded_blocks(w_s.view(E, rows // BLOCK, cols // BLOCK)))
+    return a_q, _grouped_col_major(a_s, offs_E), b.q, _padded_blocks(b.scale)
 
 
-def blockwise_grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, host_offs_E: torch.Tensor,
-                      gemm: str) -> torch.Tensor:
-    """The blockwise grouped experts' `gemm` (fwd, dgrad or wgrad, `_per_expert`) on one scaled_mm per expert: the
-    group ends offs_E on the device lay out the scales, their copy on the host (`host_offs_E`) slices the groups."""
+def blockwise_grouped(a: torch.Tensor, b: WeightBlocks | torch.Tensor, offs_E: torch.Tensor,
+                      host_offs_E: torch.Tensor, gemm: str) -> torch.Tensor:
+    """The blockwise grouped experts' `gemm` (fwd, dgrad or wgrad, `_per_expert`; b as `quantize_per_expert` takes
+    it) on one scaled_mm per expert: the group ends offs_E on the device lay out the scales, their copy on the host
+    (`host_offs_E`) slices the groups."""
     return _per_expert_op(*quantize_per_expert(a, b, offs_E, gemm), host_offs_E, gemm, a.dtype)
 
 
-def per_expert_blockwise(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor, ends: list[int], gemm: str
-                         ) -> torch.Tensor:
+def per_expert_blockwise(a: torch.Tensor, b: WeightBlocks | torch.Tensor, offs_E: torch.Tensor, ends: list[int],
+                         gemm: str) -> torch.Tensor:
     """`blockwise_grouped` with the group ends also given as host ints, for fake CUDA tensors (the CPU layout tests):
     no custom op, and torch's checks in place of each GEMM (`_blockwise_into_checked`)."""
     return _per_expert(*quantize_per_expert(a, b, offs_E, gemm), ends, gemm, a.dtype, _blockwise_into_checked)

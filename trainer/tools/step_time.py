@@ -9,7 +9,9 @@ predicts S). docs/memory.md, "Layout planner", writes the model down:
                + the elementwise outputs activation checkpointing recomputes, memory-bound: 2 x their bytes (read
                and written) / (HBM bandwidth x elementwise_efficiency), per microbatch
     fp8      = the quantisation of every FP8 GEMM operand (forward x and W, dgrad dY and W^T, wgrad dY^T and x^T),
-               memory-bound: elements x fp8_quantize_bytes / (HBM bandwidth x elementwise_efficiency), per microbatch
+               memory-bound: elements x fp8_quantize_bytes / (HBM bandwidth x elementwise_efficiency), per microbatch;
+               blockwise with autocast's cast weights (no FSDP) takes W^T as the forward's e4m3 W transposed: a
+               read and a write of one byte per element instead
     bubble   = compute x the schedule's bubble fraction (GPipe/1F1B (p-1)/m, Interleaved1F1B (p-1)/(v m),
                ZBVZeroBubble (p-1)/(6 m), DualPipeV (p-2)/(3 m))
     fsdp     = all-gathers (forward, and backward again when resharding) + fp32 reduce-scatters of every unit, per
@@ -150,7 +152,10 @@ class Fp8Operands:
     elements_per_flop: float
     """Activation and output-gradient elements quantised per FP8 training FLOP."""
     weight_elements: float
-    """Weight elements quantised per microbatch pass (each weight twice: W for forward, W^T for dgrad)."""
+    """Weight elements quantised per microbatch pass (each weight twice, W for forward and W^T for dgrad, or once
+    where the dgrad takes the forward's e4m3 W transposed)."""
+    weight_transposed_elements: float = 0.0
+    """Weight elements per microbatch pass whose W^T is the forward's e4m3 W, transposed (a copy of 1 byte each)."""
 
 
 _SHAPES: dict[tuple, tuple[tuple[str, tuple[int, ...]], ...]] = {}
@@ -210,7 +215,12 @@ def fp8_operands(spec, args, cfg, dims, work: dict) -> Fp8Operands | None:
     model = fp8.total - fp8.stacked * (1 - 1 / dims.ep)
     held = sum(work["fsdp_unit_bytes"]) / work["unit_element_bytes"] if work["fsdp_unit_bytes"] else \
         work["param_count"]
-    return Fp8Operands(fp8.elements_per_flop, 2 * min(1.0, held / model) * (fp8.linears + fp8.experts / dims.ep))
+    weights = min(1.0, held / model) * (fp8.linears + fp8.experts / dims.ep)
+    # without FSDP, autocast casts every weight for its GEMM: blockwise keeps the forward's e4m3 W for the dgrad
+    # (`quantization.fp8.gemms._keeps_weight`)
+    if cfg.fp8.recipe == "blockwise" and cfg.training.dtype == "bfloat16" and not dims.sharded:
+        return Fp8Operands(fp8.elements_per_flop, weights, weights)
+    return Fp8Operands(fp8.elements_per_flop, 2 * weights)
 
 
 def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work: dict, fp8_fraction: float,
@@ -230,7 +240,8 @@ def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work
     quantize = weights = 0.0
     if fp8 is not None:
         per_element = hw.fp8_quantize_bytes / (hw.hbm_gbps * 1e9 * hw.elementwise_efficiency)
-        weights = passes * fp8.weight_elements * per_element
+        # the transposed e4m3 copy writes one byte per element and reads as much
+        weights = passes * (fp8.weight_elements * per_element + _elementwise_s(fp8.weight_transposed_elements, hw))
         quantize = passes * fp8.elements_per_flop * fp8_fraction * flops * per_element + weights
     bubble = (compute + quantize) * bubble_fraction(schedule, dims.pp, work["microbatches"], work["stages_per_rank"])
 
