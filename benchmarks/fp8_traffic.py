@@ -27,9 +27,11 @@ read of the bf16 operand for the maxima and one for the scaling, the e4m3 write)
 reads once), 7.2 effective as measured on an H200.
 
 Output: one JSON object: machine, config (shapes), and per recipe: kernels and bytes forward and backward at each
-row count, bytes_per_row, weight_bytes (the constant part), and for FP8 extra_bytes_per_row_element and
-extra_bytes_per_weight_element (FP8's bytes over bf16's, per quantised operand element), plus `kernels` (the
-largest generated kernels of the larger run: bytes and the buffers each reads and writes) with `--kernels N`.
+row count, total_bytes (per run), bytes_per_row and weight_bytes (the constant part), and for FP8 extra_bytes (FP8's
+total over bf16's, per run), extra_bytes_per_row_element and extra_bytes_per_weight_element (per quantised operand
+element), plus `kernels` (the largest generated kernels of the larger run: bytes and the buffers each reads and
+writes) with `--kernels N`. Where a pass moved fewer bytes at the larger row count (inductor fused the two runs
+otherwise), the split into rows and weights is not derived (`split` says so) and only the totals are given.
 """
 
 from __future__ import annotations
@@ -214,6 +216,17 @@ def _measure(recipe: str, rows_per_expert: int, experts: int, dim: int, inter: i
                                for k in ks), key=lambda k: -k["bytes"])}
 
 
+def _split(runs: list[dict]) -> dict | None:
+    """bytes_per_row and weight_bytes (the part that does not grow with the rows) from two runs, or None where a
+    pass moved fewer bytes at more rows: inductor then fused the two row counts otherwise, and a line through the
+    two totals would not part rows from weights (it gave negative bytes per row once)."""
+    if any(runs[1][p]["bytes"] < runs[0][p]["bytes"] for p in ("forward", "backward")):
+        return None
+    total = [r["forward"]["bytes"] + r["backward"]["bytes"] for r in runs]
+    per_row = (total[1] - total[0]) / (runs[1]["rows"] - runs[0]["rows"])
+    return {"bytes_per_row": round(per_row, 1), "weight_bytes": round(total[0] - per_row * runs[0]["rows"])}
+
+
 def run(args) -> dict:
     """Measure every recipe of `args.recipes` at two row counts; bf16 first, as every FP8 figure is against it."""
     E, K, N = args.experts, args.dim, args.inter
@@ -224,20 +237,29 @@ def run(args) -> dict:
     for recipe in ["none"] + [r for r in args.recipes if r != "none"]:
         runs = [_measure(recipe, r, E, K, N, args.seed) for r in (args.rows_per_expert, 2 * args.rows_per_expert)]
         total = [r["forward"]["bytes"] + r["backward"]["bytes"] for r in runs]
-        per_row = (total[1] - total[0]) / (runs[1]["rows"] - runs[0]["rows"])
-        entry = {"runs": [{k: v for k, v in r.items() if k != "largest"} for r in runs],
-                 "bytes_per_row": round(per_row, 1), "weight_bytes": round(total[0] - per_row * runs[0]["rows"]),
+        split = _split(runs)
+        entry = {"runs": [{k: v for k, v in r.items() if k != "largest"} for r in runs], "total_bytes": total,
+                 **(split or {"split": "not derived: a pass moved fewer bytes at more rows (inductor fused the two "
+                                       "row counts otherwise); compare total_bytes"}),
                  "kernels": runs[1]["largest"][:args.kernels]}
+        line = f"{recipe}: {' and '.join(f'{t / 1e6:.1f}' for t in total)} MB at {runs[0]['rows']} and " \
+               f"{runs[1]['rows']} rows"
+        if split:
+            line += f"; {split['bytes_per_row'] / 1e3:.1f} kB per row, {split['weight_bytes'] / 1e6:.1f} MB of " \
+                    "weights' traffic"
         if recipe != "none":
             bf16 = results["none"]
-            entry["extra_bytes_per_row_element"] = round((per_row - bf16["bytes_per_row"]) / row_elements, 2)
-            entry["extra_bytes_per_weight_element"] = round(
-                (entry["weight_bytes"] - bf16["weight_bytes"]) / weight_elements, 2)
+            entry["extra_bytes"] = [t - b for t, b in zip(total, bf16["total_bytes"])]
+            line += f"; over bf16 {' and '.join(f'{t / 1e6:.1f}' for t in entry['extra_bytes'])} MB"
+            if split and "weight_bytes" in bf16:
+                entry["extra_bytes_per_row_element"] = round((split["bytes_per_row"] - bf16["bytes_per_row"]) /
+                                                             row_elements, 2)
+                entry["extra_bytes_per_weight_element"] = round(
+                    (split["weight_bytes"] - bf16["weight_bytes"]) / weight_elements, 2)
+                line += f", {entry['extra_bytes_per_row_element']} B per activation element, " \
+                        f"{entry['extra_bytes_per_weight_element']} B per weight element"
         results[recipe] = entry
-        print(f"{recipe}: {per_row / 1e3:.1f} kB per row, {entry['weight_bytes'] / 1e6:.1f} MB of weights' traffic"
-              + (f"; over bf16 {entry['extra_bytes_per_row_element']} B per activation element, "
-                 f"{entry['extra_bytes_per_weight_element']} B per weight element" if recipe != "none" else ""),
-              file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
     return {"machine": machine_info(),
             "config": {"experts": E, "dim": K, "inter": N, "rows_per_expert": [args.rows_per_expert,
                                                                                2 * args.rows_per_expert],

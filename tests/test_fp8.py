@@ -1311,6 +1311,20 @@ def test_fp8_traffic_benchmark_counts_the_generated_kernels_only(monkeypatch):
     assert any(k["bytes"] >= weight_bytes and any(r.startswith("primals") for r in k["reads"]) for k in kernels)
 
 
+def test_fp8_traffic_benchmark_splits_rows_from_weights_only_where_the_bytes_grow():
+    """The benchmark parts each run's bytes into rows and weights by the line through its two row counts, and
+    refuses to where a pass moved fewer bytes at more rows (a run measured on 2026-11-29 gave -0.25 B per activation
+    element that way): then only the totals stand."""
+    from benchmarks.fp8_traffic import _split
+
+    def runs(forward, backward):
+        return [{"rows": rows, "forward": {"bytes": f}, "backward": {"bytes": b}}
+                for rows, f, b in zip((1024, 2048), forward, backward)]
+
+    assert _split(runs((1000, 1512), (3000, 3512))) == {"bytes_per_row": 1.0, "weight_bytes": 2976}
+    assert _split(runs((2391, 2358), (1421, 1694))) is None
+
+
 def test_per_expert_host_time_benchmark_smoke(capsys):
     """benchmarks/per_expert_host_time.py runs the per-expert loop on CPU with the GEMM a no-op, reports a time per
     expert GEMM, and gives torch its real `_scaled_mm_v2` and its thread count back."""
