@@ -1133,10 +1133,13 @@ def test_real_kernel_paths_with_the_forwards_weight_kept_give_the_same_bits(monk
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["linear", "_scaled_grouped_mm rowwise", "scaled_mm per expert"])
-def test_real_kernel_paths_trace_under_compile(kernel):
+@pytest.mark.parametrize("kernel, cast", [("linear", False), ("_scaled_grouped_mm rowwise", False),
+                                          ("scaled_mm per expert", False), ("linear", True),
+                                          ("scaled_mm per expert", True)])
+def test_real_kernel_paths_trace_under_compile(kernel, cast):
     """torch.compile (fullgraph, AOT autograd: forward and backward traced with torch's meta checks of the FP8
-    GEMMs' layouts) accepts every real-kernel path; what fails here is only running it, as torch has no CPU kernel
+    GEMMs' layouts) accepts every real-kernel path, blockwise's dgrad on the forward's weight blocks (`cast`: a
+    float32 weight cast for the call) included; what fails here is only running it, as torch has no CPU kernel
     for these GEMMs. (It found the rowwise weight gradient's operand traced column-major, which _scaled_grouped_mm
     refuses, where eager code gave a row-major one.)"""
     from torch._dynamo.exc import TorchDynamoException
@@ -1145,15 +1148,16 @@ def test_real_kernel_paths_trace_under_compile(kernel):
     from quantization.fp8.kernels import SCALED_MM_BLOCKS, SCALED_MM_TILES, LinearKernels
 
     torch._dynamo.reset()
+    weight_dtype = torch.float32 if cast else torch.bfloat16
     if kernel == "linear":
         real = LinearKernels(SCALED_MM_BLOCKS, SCALED_MM_BLOCKS, SCALED_MM_TILES)
-        inputs = [torch.randn(256, 384, dtype=torch.bfloat16), torch.randn(640, 384, dtype=torch.bfloat16)]
+        inputs = [torch.randn(256, 384, dtype=torch.bfloat16), torch.randn(640, 384, dtype=weight_dtype)]
 
         def fn(a, b):
-            return _Fp8LinearFn.apply(a, b, "blockwise", real)
+            return _Fp8LinearFn.apply(a, b.to(a.dtype), "blockwise", real, b.dtype != a.dtype)
     else:
         offs = torch.tensor([256, 256, 384], dtype=torch.int32)
-        inputs = [torch.randn(512, 256, dtype=torch.bfloat16), torch.randn(3, 384, 256, dtype=torch.bfloat16)]
+        inputs = [torch.randn(512, 256, dtype=torch.bfloat16), torch.randn(3, 384, 256, dtype=weight_dtype)]
         recipe = "rowwise" if "rowwise" in kernel else "blockwise"
 
         def fn(a, b):
