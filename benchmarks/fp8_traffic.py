@@ -219,7 +219,8 @@ def _measure(recipe: str, rows_per_expert: int, experts: int, dim: int, inter: i
 def _split(runs: list[dict]) -> dict | None:
     """bytes_per_row and weight_bytes (the part that does not grow with the rows) from two runs, or None where a
     pass moved fewer bytes at more rows: inductor then fused the two row counts otherwise, and a line through the
-    two totals would not part rows from weights (it gave negative bytes per row once)."""
+    two totals would not part rows from weights (it once gave FP8 negative bytes per activation element over bf16).
+    A pair of runs that grows but fits no line is not caught here."""
     if any(runs[1][p]["bytes"] < runs[0][p]["bytes"] for p in ("forward", "backward")):
         return None
     total = [r["forward"]["bytes"] + r["backward"]["bytes"] for r in runs]

@@ -26,14 +26,16 @@ __all__ = ["Fp8GroupedMM", "Fp8Linear", "fp8_grouped_mm"]
 _EMULATED_LINEAR = LinearKernels(EMULATED, EMULATED, EMULATED)
 
 
-def _keeps_weight(recipe: str, weight_cast: bool) -> bool:
-    """Whether an FP8 GEMM saves its forward's quantised weight for the dgrad: blockwise (W^T's 128 x 128 blocks
-    are W's, transposed; rowwise scales W^T along the other dimension) and the weight a copy cast for this call
-    (autocast's compute dtype from fp32 parameters, one process), which the saved e4m3 (real kernels, 1 byte per
-    element) or dequantised (emulation, the copy's bytes) weight replaces. A weight that is the parameter itself
-    (FSDP2's bf16 parameters, an fp32 run) is saved as it is and quantised again in the backward: saving its
-    quantised copy would hold a weight-sized tensor that FSDP frees after the forward (docs/fp8.md, "Memory")."""
-    return recipe == "blockwise" and weight_cast
+def _keeps_weight(recipe: str, weight_cast: bool, w: torch.Tensor) -> bool:
+    """Whether an FP8 GEMM saves its forward's quantised weight w for the dgrad: blockwise (W^T's 128 x 128 blocks
+    are W's, transposed; rowwise scales W^T along the other dimension), whole blocks only (a padded block's
+    dequantised weight is a slice of a larger buffer, which saving would hold), and the weight a copy cast to the
+    compute dtype for this call (the `.to()` of fp32 parameters under autocast, without FSDP), which the saved e4m3
+    (real kernels, 1 byte per element) or dequantised (emulation, the copy's bytes) weight replaces. A weight that is
+    the parameter itself (FSDP2's bf16 parameters, an fp32 run) is saved as it is and quantised again in the
+    backward: saving its quantised copy would hold a weight-sized tensor that FSDP frees after the forward
+    (docs/fp8.md, "Memory")."""
+    return recipe == "blockwise" and weight_cast and w.shape[-1] % BLOCK == 0 and w.shape[-2] % BLOCK == 0
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -51,7 +53,9 @@ class _Fp8LinearFn(torch.autograd.Function):
     def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, recipe: str,
                 kernels: LinearKernels = _EMULATED_LINEAR, weight_cast: bool = False) -> torch.Tensor:
         ctx.recipe, ctx.kernels, ctx.w_dtype = recipe, kernels, w_NK.dtype
-        ctx.kept = _keeps_weight(recipe, weight_cast)
+        # the forward and the dgrad share the weight's blocks only on kernels of one kind (`blockwise_linear_kernels`
+        # gives both the same)
+        ctx.kept = _keeps_weight(recipe, weight_cast, w_NK) and (kernels.fwd == EMULATED) == (kernels.dgrad == EMULATED)
         dtype = x_MK.dtype
         if kernels.fwd != EMULATED:
             w_blocks = quantize_weight_blocks(w_NK)
@@ -162,7 +166,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
         if kernel == PER_EXPERT:
             ends_E = _to_host(offs_E) if host_offs_E is None else host_offs_E
         ctx.recipe, ctx.kernel, ctx.w_dtype = recipe, kernel, w_ENK.dtype
-        ctx.kept = _keeps_weight(recipe, weight_cast) and kernel in (EMULATED, PER_EXPERT)
+        ctx.kept = _keeps_weight(recipe, weight_cast, w_ENK) and kernel in (EMULATED, PER_EXPERT)
         dtype = x_PK.dtype
         weight = (w_ENK,)
         if kernel == ROWWISE_GROUPED:

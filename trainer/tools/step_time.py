@@ -217,7 +217,7 @@ def fp8_operands(spec, args, cfg, dims, work: dict) -> Fp8Operands | None:
         work["param_count"]
     weights = min(1.0, held / model) * (fp8.linears + fp8.experts / dims.ep)
     # without FSDP, autocast casts every weight for its GEMM: blockwise keeps the forward's e4m3 W for the dgrad
-    # (`quantization.fp8.gemms._keeps_weight`)
+    # (`quantization.fp8.gemms._keeps_weight`; DeepGEMM's experts, where installed, quantise W^T again: not modelled)
     if cfg.fp8.recipe == "blockwise" and cfg.training.dtype == "bfloat16" and not dims.sharded:
         return Fp8Operands(fp8.elements_per_flop, weights, weights)
     return Fp8Operands(fp8.elements_per_flop, 2 * weights)
