@@ -243,7 +243,9 @@ def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, selection: Fp8Sele
         for k, n, copies in gemms:
             experts = copies // sh.ep if copies > 1 else 0
             rows = padded_rows(N, experts, expert_align) if experts else sh.T
-            b = gemm_backward_extra_bytes(selection.recipe, rows, k, n, sh.act, experts, weight_kept=kept)
+            # whole 128 x 128 blocks only (`quantization.fp8.gemms._keeps_weight`)
+            whole = k % FP8_TILE == 0 and n % FP8_TILE == 0
+            b = gemm_backward_extra_bytes(selection.recipe, rows, k, n, sh.act, experts, weight_kept=kept and whole)
             extra[half] = max(extra[half], b)
     return extra["attention"], extra["ffn"]
 
