@@ -176,7 +176,7 @@ def _options(items, names, dims, backend: str) -> list[tuple[float, int, int, La
         kept, rebuilt = memory_plan._held(items, mode, frozenset(subset) | always)
         seconds = 0.0 if mode == "none" else sum(
             recompute_seconds(i.op, i.flops, i.nbytes, dims, backend, hw) for i in items
-            if i.op not in ("input", "routing") and (mode == "full" or i.op not in subset))
+            if i.op != "input" and (mode == "full" or i.op not in subset))
         save_ops = tuple(dict.fromkeys(n for op in subset for n in names[op]))
         found.append((seconds, kept, kept + rebuilt, LayerChoice(mode, save_ops)))
     return sorted(o for o in found if not any(p[:3] != o[:3] and all(p[k] <= o[k] for k in range(3)) for p in found))

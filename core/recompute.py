@@ -14,7 +14,6 @@ Two contracts:
 
 from __future__ import annotations
 
-import collections
 import threading
 from typing import Any
 

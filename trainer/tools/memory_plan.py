@@ -432,15 +432,10 @@ def _options(items: list[Item], backend: str, dims, hw: Hardware) -> list:
         if len(_OPTIONS) > 4096:
             _OPTIONS.clear()
         kept = _plan_ops((), get_comm_backend(backend))  # kept by every AC choice: host copies, reused routing
-
-        def seconds(item: Item) -> float:
-            # the received routing is never made again (`_recompute_work`)
-            return 0.0 if item.op == "routing" else recompute_seconds(item.op, item.flops, item.nbytes, dims,
-                                                                      backend, hw)
-
         # the item list kept alive with the entry, so that its id is not reused while the entry exists
         _OPTIONS[key] = (items, block_options(
-            items, _savable(backend), lambda mode, ops: _held(items, mode, ops | kept), seconds))
+            items, _savable(backend), lambda mode, ops: _held(items, mode, ops | kept),
+            lambda item: recompute_seconds(item.op, item.flops, item.nbytes, dims, backend, hw)))
     return _OPTIONS[key][1]
 
 

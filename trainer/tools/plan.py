@@ -259,10 +259,7 @@ def evaluate(cfg: JobConfig, layout: Layout, ngpu: int, device: str, skew: float
     worst = max(range(len(ranks)), key=demand.__getitem__)
     tr = job.training
     accumulation = 1 if tr.global_batch_size == -1 else tr.global_batch_size // (tr.local_batch_size * dims.dp)
-    key = ("fp8_fraction", layout.ep, layout.pp, layout.fp8)
-    if key not in cache:
-        cache[key] = _fp8_fraction(spec, args, job)
-    fraction = cache[key]
+    fraction = _fp8_fraction(spec, args, job)
     schedule = layout.pp_schedule if dims.pp_enabled else None
     reshard = layout.reshard == "always" or (layout.reshard == "default" and not dims.pp_enabled)
     times = [step_time(dims, schedule, reshard, accumulation, r["work"], fraction, layout.backend, hw,

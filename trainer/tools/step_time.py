@@ -135,7 +135,10 @@ def _elementwise_s(nbytes: float, hw: Hardware) -> float:
 def recompute_seconds(op: str, flops: int, nbytes: int, dims, backend: str, hw: Hardware) -> float:
     """Seconds to recompute one tensor of the memory plan (`core.memory_types.Item`: its op, forward FLOPs and
     bytes) as `step_time` counts it: the token exchange (all_to_all) and the context-parallel all-gather as
-    communication, a tensor with FLOPs at the GEMM rate, any other as elementwise work."""
+    communication, a tensor with FLOPs at the GEMM rate, the received routing none (never made again: a backend
+    that keeps it replays it, `TokenDispatcher.recompute_reuses_routing`), any other as elementwise work."""
+    if op == "routing":
+        return 0.0
     if op == "all_to_all":
         return _exchange_s(nbytes, dims.ep, backend, hw) if dims.ep > 1 else 0.0
     if op == "all_gather":
