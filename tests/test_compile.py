@@ -344,6 +344,16 @@ def test_four_ranks_sharded_experts_compiled_with_ac_through_the_trainer(tmp_pat
         assert_compiled_around_dispatcher_like_eager(results["eager"], results[name])
 
 
+@pytest.mark.slow
+def test_four_ranks_fp8_experts_gathered_as_blocks_compile(tmp_path):
+    """The same layout with the blockwise recipe: FSDP gathers the routed experts' weights (DTensors over EP) as
+    e4m3 blocks (`fp8.all_gather`), and the compiled experts take the gathered tensor subclass as a graph input,
+    without recompiles, with eager's losses."""
+    fp8 = ["--fp8.recipe", "blockwise"]
+    results = launch(4, {"eager": fp8, "compiled": fp8 + ["--compile.enable", "true"]}, tmp_path)
+    assert_compiled_around_dispatcher_like_eager(results["eager"], results["compiled"])
+
+
 def assert_compiled_around_dispatcher_like_eager(eager: dict, compiled: dict) -> None:
     """The worker's results of the EP test: pieces compiled, no recompile after warm-up, losses as in eager."""
     modules = [name.replace("_checkpoint_wrapped_module.", "") for name in compiled["compiled_modules"]]

@@ -567,33 +567,47 @@ def _backward_peak_beyond_gradients(fn, inputs, grads_bytes: int) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cast", [False, True], ids=["weight", "cast_copy"])
-def test_backward_memory_of_fp8_gemms_is_what_the_memory_plan_adds(dtype, cast):
+@pytest.mark.parametrize("weight", ["parameter", "cast_copy", "gathered"])
+def test_backward_memory_of_fp8_gemms_is_what_the_memory_plan_adds(dtype, weight):
     """`gemm_backward_extra_bytes` (the memory plan's FP8 term) against the exact tracker: linears whose largest
     operand is dY, x or the weight, and grouped experts of both recipes, within 1% (the scales and offsets); with
-    the weight the parameter itself, and a copy cast for the call (blockwise then saves its forward's quantised
-    weight and quantises no W^T)."""
+    the weight the parameter itself, a copy cast for the call (blockwise then saves its forward's quantised weight
+    and quantises no W^T), and blocks FSDP gathered (`fsdp_all_gather`: dequantised for the dgrad)."""
     from quantization.fp8.accounting import gemm_backward_extra_bytes
+    from quantization.fp8.fsdp_all_gather import Fp8WeightBlocks
     from quantization.fp8.gemms import _EMULATED_LINEAR, _Fp8GroupedMMFn, _Fp8LinearFn
+    from quantization.fp8.quantize import quantize_weight_blocks
 
     a = torch.finfo(dtype).bits // 8
+    cast, gathered = weight == "cast_copy", weight == "gathered"
     gen = torch.Generator().manual_seed(0)
+
+    def inputs(*shape):
+        """(the weight the GEMM takes, its blocks' inputs, the tensors it holds)"""
+        w = torch.randn(*shape, generator=gen, dtype=dtype)
+        if not gathered:
+            return w.requires_grad_(), (), [w]
+        q, scale = quantize_weight_blocks(w)
+        return torch.nn.Parameter(Fp8WeightBlocks(q, scale, dtype)), (q, scale), [q, scale]
+
     for M, K, N in ((1024, 256, 1024), (1024, 1024, 256), (256, 1024, 1024)):
         x = torch.randn(M, K, generator=gen, dtype=dtype).requires_grad_()
-        w = torch.randn(N, K, generator=gen, dtype=dtype).requires_grad_()
-        got = _backward_peak_beyond_gradients(lambda: _Fp8LinearFn.apply(x, w, "blockwise", _EMULATED_LINEAR, cast),
-                                              [x, w], a * (M * K + N * K))
-        want = gemm_backward_extra_bytes("blockwise", M, K, N, a, weight_kept=cast)
+        w, blocks, held = inputs(N, K)
+        got = _backward_peak_beyond_gradients(
+            lambda: _Fp8LinearFn.apply(x, w, "blockwise", _EMULATED_LINEAR, cast, *blocks), [x, *held],
+            a * (M * K + N * K))
+        want = gemm_backward_extra_bytes("blockwise", M, K, N, a, weight_kept=cast, weight_gathered=gathered)
         assert got == pytest.approx(want, rel=0.01), (M, K, N)
     E, K, N, P = 8, 256, 384, 4096
     offs = torch.arange(1, E + 1, dtype=torch.int32) * (P // E)
-    for recipe in ("blockwise", "rowwise"):
+    for recipe in ("blockwise",) if gathered else ("blockwise", "rowwise"):
         x = torch.randn(P, K, generator=gen, dtype=dtype).requires_grad_()
-        w = torch.randn(E, N, K, generator=gen, dtype=dtype).requires_grad_()
+        w, blocks, held = inputs(E, N, K)
         got = _backward_peak_beyond_gradients(
-            lambda: _Fp8GroupedMMFn.apply(x, w, offs, recipe, "emulated", None, cast), [x, w, offs],
+            lambda: _Fp8GroupedMMFn.apply(x, w, offs, recipe, "emulated", None, cast, *blocks), [x, *held, offs],
             a * (P * K + E * N * K))
-        want = gemm_backward_extra_bytes(recipe, P, K, N, a, E, weight_kept=cast and recipe == "blockwise")
+        want = gemm_backward_extra_bytes(recipe, P, K, N, a, E, weight_kept=cast and recipe == "blockwise",
+                                         weight_gathered=gathered)
         assert got == pytest.approx(want, rel=0.01), recipe
 
 
@@ -1138,38 +1152,48 @@ def test_real_kernel_paths_with_the_forwards_weight_kept_give_the_same_bits(monk
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel, cast", [("linear", False), ("_scaled_grouped_mm rowwise", False),
-                                          ("scaled_mm per expert", False), ("linear", True),
-                                          ("scaled_mm per expert", True)])
-def test_real_kernel_paths_trace_under_compile(kernel, cast):
+@pytest.mark.parametrize("kernel, weight", [("linear", "bf16"), ("_scaled_grouped_mm rowwise", "bf16"),
+                                            ("scaled_mm per expert", "bf16"), ("linear", "cast"),
+                                            ("scaled_mm per expert", "cast"), ("linear", "gathered"),
+                                            ("scaled_mm per expert", "gathered")])
+def test_real_kernel_paths_trace_under_compile(kernel, weight):
     """torch.compile (fullgraph, AOT autograd: forward and backward traced with torch's meta checks of the FP8
     GEMMs' layouts) accepts every real-kernel path, blockwise's dgrad on the forward's weight blocks (`cast`: a
-    float32 weight cast for the call) included; what fails here is only running it, as torch has no CPU kernel
-    for these GEMMs. (It found the rowwise weight gradient's operand traced column-major, which _scaled_grouped_mm
-    refuses, where eager code gave a row-major one.)"""
+    float32 weight cast for the call) and on the blocks FSDP gathered (`gathered`: the tensor subclass as a graph
+    input) included; what fails here is only running it, as torch has no CPU kernel for these GEMMs. (It found the
+    rowwise weight gradient's operand traced column-major, which _scaled_grouped_mm refuses, where eager code gave a
+    row-major one.)"""
     from torch._dynamo.exc import TorchDynamoException
 
-    from quantization.fp8.gemms import _Fp8LinearFn
+    from quantization.fp8.fsdp_all_gather import Fp8WeightBlocks
+    from quantization.fp8.gemms import _weight_and_blocks, _Fp8LinearFn
     from quantization.fp8.kernels import SCALED_MM_BLOCKS, SCALED_MM_TILES, LinearKernels
+    from quantization.fp8.quantize import quantize_weight_blocks
+
+    def make_weight(*shape):
+        w = torch.randn(*shape, dtype=torch.float32 if weight == "cast" else torch.bfloat16)
+        if weight == "gathered":
+            return torch.nn.Parameter(Fp8WeightBlocks(*quantize_weight_blocks(w), torch.bfloat16))
+        return w.requires_grad_()
 
     torch._dynamo.reset()
-    weight_dtype = torch.float32 if cast else torch.bfloat16
     if kernel == "linear":
         real = LinearKernels(SCALED_MM_BLOCKS, SCALED_MM_BLOCKS, SCALED_MM_TILES)
-        inputs = [torch.randn(256, 384, dtype=torch.bfloat16), torch.randn(640, 384, dtype=weight_dtype)]
+        inputs = [torch.randn(256, 384, dtype=torch.bfloat16), make_weight(640, 384)]
 
         def fn(a, b):
-            return _Fp8LinearFn.apply(a, b.to(a.dtype), "blockwise", real, b.dtype != a.dtype)
+            w, blocks = _weight_and_blocks(b, a.dtype)
+            return _Fp8LinearFn.apply(a, w, "blockwise", real, b.dtype != a.dtype, *blocks)
     else:
         offs = torch.tensor([256, 256, 384], dtype=torch.int32)
-        inputs = [torch.randn(512, 256, dtype=torch.bfloat16), torch.randn(3, 384, 256, dtype=weight_dtype)]
+        inputs = [torch.randn(512, 256, dtype=torch.bfloat16), make_weight(3, 384, 256)]
         recipe = "rowwise" if "rowwise" in kernel else "blockwise"
 
         def fn(a, b):
             return fp8_grouped_mm(a, b, offs, recipe, kernel)
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     try:
-        compiled(*(t.requires_grad_() for t in inputs))
+        compiled(inputs[0].requires_grad_(), inputs[1])
     except TorchDynamoException as e:
         pytest.fail(f"tracing failed: {str(e)[:500]}")
     except (NotImplementedError, ValueError) as e:  # the CPU run: torch's own refusal of these GEMMs on CPU

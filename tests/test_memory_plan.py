@@ -2,6 +2,7 @@
 the dry run, the predicted peak against measured ones (in-process and through the check script)."""
 
 import json
+import math
 import os
 
 import pytest
@@ -114,6 +115,42 @@ def test_fp8_plan_knows_the_recipe():
     per_layer = padded * (args.dim + 4 * args.moe_inter_dim) * 4 + rows * 8
     assert fp8["activation_bytes"] - none["activation_bytes"] == moe_layers * per_layer
     assert fp8["transients"]["backward_working_set"] > none["transients"]["backward_working_set"]
+
+
+@pytest.mark.parametrize("ranks, ep", [(2, 1), (4, 2)])
+def test_fp8_weights_gathered_as_blocks_are_planned_as_the_conversion_wraps_them(ranks, ep):
+    """With `fp8.all_gather` each FSDP unit gathers the weights that the runtime conversion wraps (built on the meta
+    device: those of the selected modules whose shards hold whole blocks) at 1 byte and a scale per 128 x 128 block
+    instead of bf16's 2; the units' elements, and so the gradients reduce-scattered, do not change; the step-time
+    work counts the blocks' elements and each rank's shard of them."""
+    from models.deepseek_v3.parallelize import MODULE_DEFAULTS, named_blocks
+    from quantization.fp8.accounting import FP8_GATHER_BYTES
+    from quantization.fp8.config import Fp8Section, fp8_selection
+    from quantization.fp8.convert import apply_fp8, apply_fp8_all_gather
+    from quantization.fp8.fsdp_all_gather import Fp8GatheredWeight
+    from quantization.fp8.kernels import Platform
+
+    base = ["--job.config_file", os.path.join(CONFIGS, "debug_model.toml"), "--training.dtype", "bfloat16",
+            "--fp8.recipe", "blockwise", "--parallelism.expert_parallel_degree", str(ep)]
+    on, off = (plan(load_config(base + ["--fp8.all_gather", flag]), ranks)["ranks"][0]["work"]
+               for flag in ("true", "false"))
+    cfg = load_config(base)
+    with torch.device("meta"):
+        model = DeepSeekV3Model(get_model_spec(cfg.model.name).build_args(model_job(cfg)))
+    apply_fp8(named_blocks(model), fp8_selection(Fp8Section(recipe="blockwise"), MODULE_DEFAULTS), Platform("cpu"))
+    apply_fp8_all_gather(model, ranks, ranks // ep, torch.bfloat16)
+    layer = model.layers["1"]  # a MoE block: its routed experts are this EP rank's share
+    wrapped = sum(p.numel() // (ep if "moe.experts." in n else 1) for n, p in layer.named_parameters()
+                  if type(p.data) is Fp8GatheredWeight)
+    assert 0 < wrapped < on["fsdp_unit_elements"][1]
+    assert on["fsdp_unit_elements"] == off["fsdp_unit_elements"] and off["fp8_gathered_elements"] == 0
+    assert off["fsdp_unit_bytes"][1] - on["fsdp_unit_bytes"][1] == 2 * wrapped - math.ceil(wrapped * FP8_GATHER_BYTES)
+    n_moe = len(on["fsdp_unit_bytes"]) - 3  # the embedding, the dense block and the head are the others
+    dense = sum(p.numel() for p in model.layers["0"].parameters() if type(p.data) is Fp8GatheredWeight)
+    assert on["fp8_gathered_elements"] == n_moe * wrapped + dense
+    # every wrapped weight sharded over all ranks: the experts' EP share over the ranks EP leaves
+    assert ranks * on["fp8_gathered_shard_elements"] == sum(
+        p.numel() for p in model.layers.parameters() if type(p.data) is Fp8GatheredWeight)
 
 
 def test_a_compiled_plan_is_stated_as_an_upper_bound(capsys):

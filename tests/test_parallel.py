@@ -76,8 +76,14 @@ def test_four_ranks_hsdp_fp8_and_interleaved_pipeline(tmp_path, reference, fp8_r
         "pp2_fsdp2_interleaved": PP_DP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
         # FP8 composes with HSDP: checked against the FP8 one-process run below
         "hsdp2x2_fp8": FP8 + ["--parallelism.data_parallel_replicate_degree", "2"],
+        # the routed experts, split over EP 2, FSDP-sharded over the 2 ranks left and gathered as e4m3 blocks (on
+        # by default), against gathering them in the param dtype: the same bits
+        "fsdp4_ep2_fp8": FP8 + ["--parallelism.expert_parallel_degree", "2"],
+        "fsdp4_ep2_fp8_gather_off": FP8 + ["--parallelism.expert_parallel_degree", "2", "--fp8.all_gather", "false"],
     }, tmp_path)
-    _assert_fp8_parity({"hsdp2x2_fp8": results.pop("hsdp2x2_fp8")}, fp8_references["blockwise"])
+    assert results.pop("fsdp4_ep2_fp8_gather_off") == results["fsdp4_ep2_fp8"]
+    _assert_fp8_parity({name: results.pop(name) for name in ("hsdp2x2_fp8", "fsdp4_ep2_fp8")},
+                       fp8_references["blockwise"])
     _assert_parity(results, reference)
 
 
@@ -131,6 +137,7 @@ def test_dry_run_through_run_train_sh(tmp_path):
 
 
 FP8 = ["--fp8.recipe", "blockwise"]
+CHECKPOINT_AT_2 = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
 ROWWISE = ["--fp8.recipe", "rowwise"]
 
 
@@ -171,9 +178,21 @@ def test_two_ranks_fp8_fsdp_pipeline_and_ep(tmp_path, fp8_references):
     linears are torchao's Float8Linear, sharded by FSDP2 like any linear."""
     results = launch(2, {
         "fsdp2_fp8": FP8,
+        # FSDP gathers the blockwise weights as e4m3 blocks by default (`fp8.all_gather`): the same values as
+        # gathering them in the param dtype, so the same losses and gradients bit for bit
+        "fsdp2_fp8_gather_off": FP8 + ["--fp8.all_gather", "false"],
+        # a checkpoint of the gathered run (its master weights saved as plain tensors) resumes exactly, here without
+        # gathering blocks
+        "fsdp2_fp8_saved": {"args": FP8 + CHECKPOINT_AT_2 + ["--job.dump_folder", str(tmp_path / "resumed")],
+                            "stop_after": 2},
+        "fsdp2_fp8_resumed": FP8 + CHECKPOINT_AT_2 + ["--job.dump_folder", str(tmp_path / "resumed"),
+                                                      "--fp8.all_gather", "false"],
         "pp2_fp8": FP8 + ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"],
         "fsdp2_ep2_fp8": FP8 + ["--parallelism.expert_parallel_degree", "2"],
         "fsdp2_ep2_rowwise": ROWWISE + ["--parallelism.expert_parallel_degree", "2"],
     }, tmp_path)
+    assert results.pop("fsdp2_fp8_gather_off") == results["fsdp2_fp8"]
+    assert results.pop("fsdp2_fp8_saved") == results["fsdp2_fp8"][:2]
+    assert results.pop("fsdp2_fp8_resumed") == results["fsdp2_fp8"][2:]
     _assert_fp8_parity({"fsdp2_ep2_rowwise": results.pop("fsdp2_ep2_rowwise")}, fp8_references["rowwise"])
     _assert_fp8_parity(results, fp8_references["blockwise"])

@@ -125,7 +125,7 @@ def test_step_time_parts_by_hand():
                   gpus_per_node=4, collective_efficiency=1.0, exchange_efficiency=0.5)
     dims = ParallelDims(dp_replicate=2, dp_shard=4, ep=2, pp=2, world_size=16)
     work = {"microbatches": 4, "forward_flops": 1e12, "recompute_flops": 1e12, "stages_per_rank": 1,
-            "fsdp_unit_bytes": [2e9, 1e9], "unit_element_bytes": 2, "grad_bytes": 1e9, "a2a_bytes": 1e8,
+            "fsdp_unit_bytes": [2e9, 1e9], "fsdp_unit_elements": [1e9, 5e8], "grad_bytes": 1e9, "a2a_bytes": 1e8,
             "a2a_recomputed_bytes": 1e8, "hidden_bytes": 1e7, "param_count": 1e9, "optimizer_bytes_per_param": 28}
     t = step_time(dims, "1F1B", False, 1, work, 0.0, "alltoall", hw)
     compute = 4 * (3e12 + 1e12) / 50e12
@@ -150,7 +150,7 @@ def test_step_time_counts_the_context_parallel_exchanges_and_shards_over_dp_shar
                   gpus_per_node=8, collective_efficiency=1.0)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, ep=1, pp=1, world_size=4, cp=4)
     work = {"microbatches": 1, "forward_flops": 1e12, "recompute_flops": 0.0, "stages_per_rank": 1,
-            "fsdp_unit_bytes": [1e9], "unit_element_bytes": 2, "grad_bytes": 1e9, "a2a_bytes": 0,
+            "fsdp_unit_bytes": [1e9], "fsdp_unit_elements": [5e8], "grad_bytes": 1e9, "a2a_bytes": 0,
             "a2a_recomputed_bytes": 0, "hidden_bytes": 1e7, "param_count": 1e9, "cp_bytes": 1e8,
             "cp_recomputed_bytes": 5e7, "optimizer_bytes_per_param": 28}
     t = step_time(dims, None, True, 2, work, 0.0, "alltoall", hw)
@@ -311,7 +311,7 @@ def test_step_time_counts_fp8_quantisation_by_hand():
                   elementwise_efficiency=0.5)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, ep=1, pp=1, world_size=1)
     work = {"microbatches": 2, "forward_flops": 1e12, "recompute_flops": 0, "stages_per_rank": 1,
-            "fsdp_unit_bytes": [], "unit_element_bytes": 2, "grad_bytes": 1e9, "a2a_bytes": 0,
+            "fsdp_unit_bytes": [], "fsdp_unit_elements": [], "grad_bytes": 1e9, "a2a_bytes": 0,
             "a2a_recomputed_bytes": 0, "hidden_bytes": 0, "param_count": 1e9, "optimizer_bytes_per_param": 28}
     bf16 = step_time(dims, None, True, 1, work, 0.0, "alltoall", hw)
     fp8 = step_time(dims, None, True, 1, work, 0.5, "alltoall", hw, Fp8Operands(1e-3, 2e8))
@@ -323,6 +323,12 @@ def test_step_time_counts_fp8_quantisation_by_hand():
     assert fp8["step_s"] == pytest.approx(fp8["compute_s"] + fp8["fp8_quantize_s"] + fp8["optimizer_s"])
     # without the operands (the planner before issue 34) FP8 was all gain
     assert step_time(dims, None, True, 1, work, 0.5, "alltoall", hw)["fp8_quantize_s"] == 0
+    # weights FSDP gathers as blocks: every gather (2 per microbatch when resharding after forward, else 1)
+    # quantises the rank's shard of them, and the GEMMs none of them
+    for reshard, gathers in ((True, 2), (False, 1)):
+        gathered = step_time(dims, None, reshard, 1, work, 0.5, "alltoall", hw,
+                             Fp8Operands(1e-3, 2e8, gathered_shard_elements=3e7))
+        assert gathered["fp8_quantize_weights_s"] == pytest.approx(2 * (2e8 + gathers * 3e7) * per_element)
 
 
 def test_fp8_operands_from_the_models_shapes():

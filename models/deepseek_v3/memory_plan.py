@@ -14,8 +14,9 @@ import math
 import torch
 
 from core.quantization import FP8_TILE
-from quantization.fp8.accounting import gemm_backward_extra_bytes
+from quantization.fp8.accounting import FP8_GATHER_BYTES, gemm_backward_extra_bytes
 from quantization.fp8.config import Fp8Selection, fp8_selection
+from quantization.fp8.fsdp_all_gather import gathers_blocks
 from core.memory_types import BlockMemory, Item, Shape, StageMemory
 from core.model_config import MoESection
 
@@ -226,11 +227,13 @@ def _unit_params(args: ModelArgs, key: tuple) -> dict[str, list[tuple[str, tuple
 
 
 def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, selection: Fp8Selection,
-                       expert_align: int, weights_cast: bool = False) -> tuple[int, int]:
+                       expert_align: int, weights_cast: bool = False,
+                       gathered: frozenset[str] = frozenset()) -> tuple[int, int]:
     """(attention, FFN) half of a block: the most any one of its FP8 GEMMs' backward allocates beyond the
     high-precision backward (`quantization.fp8.accounting.gemm_backward_extra_bytes`); (0, 0) with recipe none.
     `weights_cast`: the GEMMs get copies of the weights cast to the compute dtype (autocast without FSDP), so
-    blockwise saves the forward's quantised weight for the dgrad."""
+    blockwise saves the forward's quantised weight for the dgrad; `gathered`: the modules whose weights FSDP
+    gathers as FP8 blocks (`fp8_gathered_modules`)."""
     if selection.recipe == "none":
         return 0, 0
     kept = weights_cast and selection.recipe == "blockwise"
@@ -245,13 +248,35 @@ def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, selection: Fp8Sele
             rows = padded_rows(N, experts, expert_align) if experts else sh.T
             # whole 128 x 128 blocks only (`quantization.fp8.gemms._keeps_weight`)
             whole = k % FP8_TILE == 0 and n % FP8_TILE == 0
-            b = gemm_backward_extra_bytes(selection.recipe, rows, k, n, sh.act, experts, weight_kept=kept and whole)
+            b = gemm_backward_extra_bytes(selection.recipe, rows, k, n, sh.act, experts, weight_kept=kept and whole,
+                                          weight_gathered=fqn in gathered)
             extra[half] = max(extra[half], b)
     return extra["attention"], extra["ffn"]
 
 
+def fp8_gathered_modules(args: ModelArgs, moe: bool, sh: Shape, params: list[tuple[str, tuple[int, ...]]],
+                         shard: int, selection: Fp8Selection) -> frozenset[str]:
+    """The block-relative names of the FP8 modules of a block (its `params`: (name, shape)) whose weights FSDP
+    gathers as blocks over `shard` ranks with `fp8.all_gather` (`quantization.fp8.convert.apply_fp8_all_gather`):
+    blockwise, and every rank's shard holds whole 128 x 128 blocks (routed experts: this EP rank's, sharded over
+    the `shard / ep` ranks left)."""
+    if selection.recipe != "blockwise":
+        return frozenset()
+    gemms = block_gemms(args, moe)
+    out = set()
+    for name, shape in params:
+        module = name.split(".", 2)[2].rpartition(".")[0]
+        if module not in gemms or not selection.selects(module):
+            continue
+        ok = gathers_blocks((shape[0] // sh.ep, *shape[1:]), shard // sh.ep) if _is_expert(name) else \
+            gathers_blocks(shape, shard)
+        if ok:
+            out.add(module)
+    return frozenset(out)
+
+
 def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, params: list[tuple[str, tuple[int, ...]]],
-           gather_bytes: int, shard: int, selection: Fp8Selection) -> BlockMemory:
+           gather_bytes: int, shard: int, selection: Fp8Selection, fp8_gather: bool) -> BlockMemory:
     T, a = sh.T, sh.act
     moe = layer >= args.n_dense_layers
     fp8_experts = moe and selection.recipe != "none" and selection.selects("moe.experts")
@@ -278,14 +303,22 @@ def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, params: list[
         sent = T * args.n_activated_experts
         ffn_ws += (sent + received) * args.dim * a  # all-to-all buffers of the gradients, there and back
         a2a = 2 * max(sent, received) * args.dim * a  # dispatch and combine
+    gathered = fp8_gathered_modules(args, moe, sh, params, shard, selection) if fp8_gather else frozenset()
     # parameters gathered (or held) in more bytes than the compute dtype's: the GEMMs get cast copies
-    fp8_attn, fp8_ffn = fp8_backward_extra(args, moe, sh, selection, align, weights_cast=gather_bytes > a)
+    fp8_attn, fp8_ffn = fp8_backward_extra(args, moe, sh, selection, align, weights_cast=gather_bytes > a,
+                                           gathered=gathered)
     attn_ws += fp8_attn
     ffn_ws += fp8_ffn
-    # FSDP gathers the block's dense weights whole and the experts' weights of this EP rank
-    unit = sum(math.prod(shape) // (sh.ep if _is_expert(n) else 1) for n, shape in params) * gather_bytes
-    local = sum(local_numel(n, shape, sh.ep, shard) for n, shape in params)
-    return BlockMemory(layer, items, ffn, attn_ws, ffn_ws, unit, local * 4, a2a)
+    # FSDP gathers the block's dense weights whole and the experts' weights of this EP rank, the FP8 modules'
+    # as blocks where `gathered`
+    numel = {n: math.prod(shape) // (sh.ep if _is_expert(n) else 1) for n, shape in params}
+    local = {n: local_numel(n, shape, sh.ep, shard) for n, shape in params}
+    fp8 = [n for n in numel if n.split(".", 2)[2].rpartition(".")[0] in gathered]
+    fp8_numel = sum(numel[n] for n in fp8)
+    unit = (sum(numel.values()) - fp8_numel) * gather_bytes + math.ceil(fp8_numel * FP8_GATHER_BYTES)
+    return BlockMemory(layer, items, ffn, attn_ws, ffn_ws, unit, sum(local.values()) * 4, a2a,
+                       unit_elements=sum(numel.values()), fp8_gathered=fp8_numel,
+                       fp8_gathered_shard=sum(local[n] for n in fp8))
 
 
 def stage_memory(args: ModelArgs, moe_cfg: MoESection, fp8_cfg, sh: Shape, names: list[str] | None,
@@ -303,6 +336,7 @@ def stage_memory(args: ModelArgs, moe_cfg: MoESection, fp8_cfg, sh: Shape, names
     T, D, V, a = sh.T, args.dim, args.vocab_size, sh.act
     aux_loss = moe_cfg.aux_loss_coeff > 0
     selection = fp8_selection(fp8_cfg, MODULE_DEFAULTS)
+    fp8_gather = fp8_cfg.all_gather and shard > 1
     n_moe = sum(1 for i in layers if i >= args.n_dense_layers)
     rope_tables = 2 * args.max_seq_len * args.qk_rope_head_dim // 2 * _F32  # cos and sin
 
@@ -312,11 +346,12 @@ def stage_memory(args: ModelArgs, moe_cfg: MoESection, fp8_cfg, sh: Shape, names
     def block(i: int) -> BlockMemory:
         # blocks of one kind (dense or MoE) differ only in their index
         moe = i >= args.n_dense_layers
-        block_key = (key, moe, sh, aux_loss, gather_bytes, shard, selection)
+        block_key = (key, moe, sh, aux_loss, gather_bytes, shard, selection, fp8_gather)
         if block_key not in _BLOCKS:
             if len(_BLOCKS) > 4096:
                 _BLOCKS.clear()
-            _BLOCKS[block_key] = _block(args, i, sh, aux_loss, of(f"layers.{i}"), gather_bytes, shard, selection)
+            _BLOCKS[block_key] = _block(args, i, sh, aux_loss, of(f"layers.{i}"), gather_bytes, shard, selection,
+                                        fp8_gather)
         return dataclasses.replace(_BLOCKS[block_key], layer=i)
 
     def full(params) -> int:

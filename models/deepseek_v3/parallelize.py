@@ -41,7 +41,7 @@ from parallelisms.context_parallel import ContextParallel
 from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.fsdp import FSDPUnit, apply_fsdp
 from quantization.fp8.config import fp8_selection
-from quantization.fp8.convert import apply_fp8
+from quantization.fp8.convert import apply_fp8, apply_fp8_all_gather
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,10 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job: Parall
     if parallel_dims.sharded:
         reshard = {"always": True, "never": False}.get(par.fsdp_reshard_after_forward,
                                                         not parallel_dims.pp_enabled)
+        if job.fp8.all_gather:
+            experts = meshes.experts if meshes.experts is not None else meshes.dense
+            apply_fp8_all_gather(model, meshes.dense.shape[-1], experts.shape[-1],
+                                 torch.bfloat16 if job.dtype == "bfloat16" else torch.float32)
         shard_model(model, meshes, job.dtype, job.reduce_dtype, reshard)
     return model
 

@@ -9,19 +9,25 @@ from collections.abc import Iterable, Mapping
 
 from core.names import denotes
 from quantization.fp8.config import Fp8Selection
-from quantization.fp8.quantize import qdq_work_bytes
+from quantization.fp8.quantize import BLOCK, qdq_work_bytes
 
-__all__ = ["fp8_flops_per_token", "fp8_operand_elements", "gemm_backward_extra_bytes"]
+__all__ = ["FP8_GATHER_BYTES", "fp8_flops_per_token", "fp8_operand_elements", "gemm_backward_extra_bytes"]
+
+#: bytes per element of a weight that FSDP gathers as FP8 blocks (`fsdp_all_gather`): e4m3, and one fp32 scale per
+#: 128 x 128 block
+FP8_GATHER_BYTES = 1 + 4 / BLOCK ** 2
 
 
 def gemm_backward_extra_bytes(recipe: str, rows: int, in_features: int, out_features: int, act_bytes: int,
-                              experts: int = 0, weight_kept: bool = False) -> int:
+                              experts: int = 0, weight_kept: bool = False, weight_gathered: bool = False) -> int:
     """Peak bytes the backward of one emulated FP8 GEMM allocates beyond the high-precision GEMM's backward (whose
     peak is its two gradients), for the memory plan.
 
     x [rows, in], W [out, in] (a linear, `experts` = 0) or [experts, out, in] (grouped), dY [rows, out], in the
     compute dtype of `act_bytes` per element; `weight_kept`: the forward saved its quantised weight for the dgrad
-    (`gemms._keeps_weight`), which then quantises no W^T. The peak is the largest of the backward's phases, in the
+    (`gemms._keeps_weight`), which then quantises no W^T; `weight_gathered`: FSDP gathered the weight as blocks
+    (`fsdp_all_gather`), which the dgrad dequantises (on CPU through an fp16 image: 2 + `act_bytes` per element at
+    the peak) instead of quantising W^T. The peak is the largest of the backward's phases, in the
     order `gemms._Fp8LinearFn.backward` / `gemms._Fp8GroupedMMFn.backward` run them: each quantise-dequantise of an
     operand peaks at `qdq_work_bytes` per element (its result included), while the copies made before it are still
     held. Measured against the exact tracker within 1% (docs/fp8.md, "Memory"). Rowwise linears are torchao's;
@@ -31,9 +37,11 @@ def gemm_backward_extra_bytes(recipe: str, rows: int, in_features: int, out_feat
     x, dy = rows * in_features, rows * out_features
     w = max(experts, 1) * in_features * out_features
     wt = 0 if weight_kept else a * w  # W^T's dequantised copy, until the dgrad GEMM has run
+    # what making W^T's operand allocates: nothing (kept), the gathered blocks dequantised, or W^T quantised
+    w_op = 0 if weight_kept else (2 + a) * w if weight_gathered else qdq * w
     if not experts:
         phases = (qdq * dy,  # dgrad: dY quantised
-                  0 if weight_kept else a * dy + qdq * w,  # W^T quantised, dY's copy held
+                  0 if weight_kept else a * dy + w_op,  # W^T's operand, dY's copy held
                   a * (dy + x) + wt,  # the dgrad GEMM: both operands and dx
                   a * x + qdq * dy,  # wgrad: dY^T quantised, dx held
                   a * (x + dy) + qdq * x,  # x^T quantised
@@ -43,7 +51,8 @@ def gemm_backward_extra_bytes(recipe: str, rows: int, in_features: int, out_feat
         # then dequantises with each element's scale expanded: e4m3, result and scales, 1 + 2a per element
         wq = qdq if recipe == "blockwise" else max(qdq, 1 + 2 * a)
         held = a * dy  # the zero-tailed dY, held throughout
-        phases = (held + (0 if weight_kept else (a + qdq) * w),  # W^T: reshaped into a copy, then quantised
+        # W^T: reshaped into a copy, then quantised; or the gathered blocks dequantised
+        phases = (held + (0 if weight_kept else w_op if weight_gathered else (a + qdq) * w),
                   held + wt + qdq * dy,  # dgrad: dY quantised
                   held + wt + a * (dy + x),  # the dgrad GEMM
                   held + a * x + wq * dy,  # wgrad: dY^T quantised, dx held

@@ -15,14 +15,16 @@ import functools
 import logging
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from core.quantization import QUANTIZED_MM
 from quantization.fp8.config import Fp8Selection, selected_modules
+from quantization.fp8.fsdp_all_gather import gather_as_blocks
 from quantization.fp8.gemms import Fp8GroupedMM, Fp8Linear
 from quantization.fp8.kernels import TORCHAO_LINEAR, Platform, describe, rowwise_linear_kernel
 
-__all__ = ["apply_fp8"]
+__all__ = ["apply_fp8", "apply_fp8_all_gather"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,4 +70,26 @@ def apply_fp8(blocks: Mapping[str, nn.Module], selection: Fp8Selection, platform
                 ", ".join(converted[:4]))
     if converted:
         logger.info(describe(platform, selection.recipe, selection.kernels))
+    return converted
+
+
+def apply_fp8_all_gather(root: nn.Module, dense_shard: int, experts_shard: int, param_dtype: torch.dtype) -> int:
+    """Before `fully_shard`: let FSDP gather the weights of `root`'s blockwise FP8 modules as e4m3 blocks
+    (`fsdp_all_gather`), where each rank's shard holds whole blocks: linears sharded over `dense_shard` ranks,
+    routed experts over `experts_shard`, gathered for compute in `param_dtype`. Returns how many weights it
+    converted, of how many FP8 weights, in one log line."""
+    converted = total = 0
+    for module in root.modules():
+        if isinstance(module, Fp8Linear):
+            names, shard = (["weight"] if module.recipe == "blockwise" else []), dense_shard
+        elif isinstance(mm := getattr(module, QUANTIZED_MM, None), Fp8GroupedMM):
+            names = [n for n, w in module.named_parameters(recurse=False) if mm.takes_blocks(w, param_dtype)]
+            shard = experts_shard
+        else:
+            continue
+        total += len(names)
+        converted += sum(gather_as_blocks(module, name, shard) for name in names)
+    if total:
+        logger.info("fp8 all-gather: FSDP gathers %d of %d blockwise FP8 weights as e4m3 blocks (the others: "
+                    "sharded over one rank, or their shards split 128x128 blocks)", converted, total)
     return converted

@@ -17,8 +17,10 @@ from torch import nn
 
 from quantization.fp8.kernels import (DEEPGEMM, EMULATED, PER_EXPERT, ROWWISE_GROUPED, LinearKernels, Platform,
                                       blockwise_linear_kernels, grouped_kernel)
-from quantization.fp8.quantize import (BLOCK, WeightBlocks, dequantize_row_segments, qdq_activation, qdq_weight,
-                                       quantize_row_segments, quantize_weight_blocks, row_segments)
+from quantization.fp8.fsdp_all_gather import Fp8WeightBlocks
+from quantization.fp8.quantize import (BLOCK, WeightBlocks, dequantize_row_segments, dequantize_weight_blocks,
+                                       qdq_activation, qdq_weight, quantize_row_segments, quantize_weight_blocks,
+                                       row_segments)
 from quantization.fp8.scaled_gemms import blockwise_grouped, blockwise_mm, rowwise_grouped_mm, rowwise_grouped_wgrad
 
 __all__ = ["Fp8GroupedMM", "Fp8Linear", "fp8_grouped_mm"]
@@ -38,6 +40,15 @@ def _keeps_weight(recipe: str, weight_cast: bool, w: torch.Tensor) -> bool:
     return recipe == "blockwise" and weight_cast and w.shape[-1] % BLOCK == 0 and w.shape[-2] % BLOCK == 0
 
 
+def _weight_and_blocks(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tuple]:
+    """(the weight a GEMM function takes, its gathered blocks' (e4m3 values, scales) or (None, None)): w cast to the
+    compute `dtype`, or, where FSDP gathered it as blocks, w itself (its gradient's owner) and its blocks (exact in
+    any dtype)."""
+    if isinstance(w, Fp8WeightBlocks):
+        return w, (w.q, w.scale)
+    return w.to(dtype), (None, None)
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     """y = x W^T with every GEMM input (forward, dgrad, wgrad) quantised to e4m3 by `recipe`, each GEMM on its
     kernel of `kernels` (default: all emulated); `weight_cast`: w is a copy cast for this call (`_keeps_weight`).
@@ -46,25 +57,31 @@ class _Fp8LinearFn(torch.autograd.Function):
     e4m3 values bit for bit. The weight: its forward's blockwise quantisation where `_keeps_weight`, for the dgrad
     (the real kernels take W^T's blocks as a transposed copy of the e4m3 values; the emulation multiplies the same
     dequantised weight), else the high-precision W, quantised again in backward (FSDP's re-gathered W gives the
-    same bits).
+    same bits). Where FSDP gathered w as blocks (`fsdp_all_gather.Fp8WeightBlocks`), their e4m3 values `w_q` and
+    scales `w_scale` come as inputs of their own (torch.compile traces no tensor attribute of a tensor made in its
+    graph inside a Function): both GEMMs multiply them, and the backward holds them as FSDP gathers them again.
     """
 
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, recipe: str,
-                kernels: LinearKernels = _EMULATED_LINEAR, weight_cast: bool = False) -> torch.Tensor:
+                kernels: LinearKernels = _EMULATED_LINEAR, weight_cast: bool = False,
+                w_q: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
         ctx.recipe, ctx.kernels, ctx.w_dtype = recipe, kernels, w_NK.dtype
+        gathered = None if w_q is None else WeightBlocks(w_q, w_scale)
+        ctx.gathered = gathered is not None
         # the forward and the dgrad share the weight's blocks only on kernels of one kind (`blockwise_linear_kernels`
         # gives both the same)
-        ctx.kept = _keeps_weight(recipe, weight_cast, w_NK) and (kernels.fwd == EMULATED) == (kernels.dgrad == EMULATED)
+        ctx.kept = not ctx.gathered and _keeps_weight(recipe, weight_cast, w_NK) and \
+            (kernels.fwd == EMULATED) == (kernels.dgrad == EMULATED)
         dtype = x_MK.dtype
         if kernels.fwd != EMULATED:
-            w_blocks = quantize_weight_blocks(w_NK)
+            w_blocks = gathered if ctx.gathered else quantize_weight_blocks(w_NK)
             y, weight = blockwise_mm(x_MK, w_blocks), w_blocks
         else:
             x_q = qdq_activation(x_MK, recipe, dtype)
-            w_dq = qdq_weight(w_NK, recipe, dtype)
+            w_dq = dequantize_weight_blocks(gathered, dtype) if ctx.gathered else qdq_weight(w_NK, recipe, dtype)
             y, weight = x_q @ w_dq.t(), (w_dq,)
-        ctx.save_for_backward(x_MK, *(weight if ctx.kept else (w_NK,)))
+        ctx.save_for_backward(x_MK, *(gathered if ctx.gathered else weight if ctx.kept else (w_NK,)))
         return y
 
     @staticmethod
@@ -73,12 +90,14 @@ class _Fp8LinearFn(torch.autograd.Function):
         recipe, dtype, kernels = ctx.recipe, x_MK.dtype, ctx.kernels
         dy_MN = dy_MN.to(dtype)
         if kernels.dgrad != EMULATED:
-            w_blocks = WeightBlocks(*weight).transposed() if ctx.kept else quantize_weight_blocks(weight[0].t())
-            dx = blockwise_mm(dy_MN, w_blocks)
+            blocks = WeightBlocks(*weight).transposed() if ctx.kept or ctx.gathered else \
+                quantize_weight_blocks(weight[0].t())
+            dx = blockwise_mm(dy_MN, blocks)
         else:
             dy_q = qdq_activation(dy_MN, recipe, dtype)
-            # W^T quantised along N, transposed back: for blockwise the forward's dequantised W itself
-            w_dq = weight[0] if ctx.kept else qdq_weight(weight[0].t(), recipe, dtype).t()
+            # W^T quantised along N, transposed back: for blockwise W's blocks, dequantised
+            w_dq = dequantize_weight_blocks(WeightBlocks(*weight), dtype) if ctx.gathered else weight[0] if \
+                ctx.kept else qdq_weight(weight[0].t(), recipe, dtype).t()
             dx = dy_q @ w_dq
             del dy_q, w_dq
         # weight gradient: contraction over the tokens, so both operands are tiled along them
@@ -86,7 +105,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             dw = blockwise_mm(dy_MN.t(), x_MK.t())
         else:
             dw = qdq_activation(dy_MN.t(), recipe, dtype) @ qdq_activation(x_MK.t(), recipe, dtype).t()
-        return dx, dw.to(ctx.w_dtype), None, None, None
+        return dx, dw.to(ctx.w_dtype), None, None, None, None, None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -132,8 +151,9 @@ class Fp8Linear(nn.Linear):
         if self.recipe == "blockwise" and self.kernels != EMULATED:
             kernels = blockwise_linear_kernels(_platform(self.platform, x), dtype, x_MK.shape[0], self.in_features,
                                                self.out_features)
+        weight, blocks = _weight_and_blocks(self.weight, dtype)
         with torch.autocast(x.device.type, enabled=False):
-            y = _Fp8LinearFn.apply(x_MK, self.weight.to(dtype), self.recipe, kernels, self.weight.dtype != dtype)
+            y = _Fp8LinearFn.apply(x_MK, weight, self.recipe, kernels, self.weight.dtype != dtype, *blocks)
         return y.view(*x.shape[:-1], -1)
 
 
@@ -158,7 +178,8 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: str,
                 kernel: str = EMULATED, host_offs_E: torch.Tensor | None = None,
-                weight_cast: bool = False) -> torch.Tensor:
+                weight_cast: bool = False, w_q: torch.Tensor | None = None,
+                w_scale: torch.Tensor | None = None) -> torch.Tensor:
         # the per-expert loop needs the group ends on the host: the caller's copy (one per MoE layer), else
         # copied here (a host sync), saved for the backward's two GEMMs (on an H200 a read per GEMM left the GPU
         # idle 43 ms of a 285 ms step)
@@ -166,20 +187,22 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
         if kernel == PER_EXPERT:
             ends_E = _to_host(offs_E) if host_offs_E is None else host_offs_E
         ctx.recipe, ctx.kernel, ctx.w_dtype = recipe, kernel, w_ENK.dtype
-        ctx.kept = _keeps_weight(recipe, weight_cast, w_ENK) and kernel in (EMULATED, PER_EXPERT)
+        gathered = None if w_q is None else WeightBlocks(w_q, w_scale)
+        ctx.gathered = gathered is not None
+        ctx.kept = not ctx.gathered and _keeps_weight(recipe, weight_cast, w_ENK) and kernel in (EMULATED, PER_EXPERT)
         dtype = x_PK.dtype
         weight = (w_ENK,)
         if kernel == ROWWISE_GROUPED:
             y = rowwise_grouped_mm(x_PK, w_ENK, offs_E)
         elif kernel == PER_EXPERT:
-            w_blocks = quantize_weight_blocks(w_ENK)
+            w_blocks = gathered if ctx.gathered else quantize_weight_blocks(w_ENK)
             y, weight = blockwise_grouped(x_PK, w_blocks, offs_E, ends_E, "fwd"), w_blocks
         else:
             x_q = qdq_activation(x_PK, recipe, dtype)
-            w_dq = qdq_weight(w_ENK, recipe, dtype)
+            w_dq = dequantize_weight_blocks(gathered, dtype) if ctx.gathered else qdq_weight(w_ENK, recipe, dtype)
             y, weight = torch._grouped_mm(x_q, w_dq.transpose(-2, -1), offs=offs_E), (w_dq,)
             del x_q
-        ctx.save_for_backward(x_PK, offs_E, ends_E, *(weight if ctx.kept else (w_ENK,)))
+        ctx.save_for_backward(x_PK, offs_E, ends_E, *(gathered if ctx.gathered else weight if ctx.kept else (w_ENK,)))
         return _zero_tail(y, offs_E)
 
     @staticmethod
@@ -193,15 +216,15 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
         elif kernel == PER_EXPERT:
             # W^T quantised on its own where not kept (the forward's quantisation of W, which the same ops here
             # would repeat, is what torch.compile's partitioner would then save for the backward instead)
-            w_blocks = WeightBlocks(*weight).transposed() if ctx.kept else \
+            w_blocks = WeightBlocks(*weight).transposed() if ctx.kept or ctx.gathered else \
                 quantize_weight_blocks(weight[0].transpose(-2, -1))
             dx = blockwise_grouped(dy_PN, w_blocks, offs_E, ends_E, "dgrad")
             dw = blockwise_grouped(dy_PN, x_PK, offs_E, ends_E, "wgrad")
         else:
             # dgrad contracts over N: W^T [E, K, N] is quantised along N (the same blocks as W for blockwise: the
-            # forward's dequantised W, where kept)
-            w_dq = weight[0] if ctx.kept else \
-                qdq_weight(weight[0].transpose(-2, -1), recipe, dtype).transpose(-2, -1)
+            # forward's dequantised W where kept, the gathered blocks dequantised)
+            w_dq = dequantize_weight_blocks(WeightBlocks(*weight), dtype) if ctx.gathered else weight[0] if \
+                ctx.kept else qdq_weight(weight[0].transpose(-2, -1), recipe, dtype).transpose(-2, -1)
             dx = torch._grouped_mm(qdq_activation(dy_PN, recipe, dtype), w_dq, offs=offs_E)
             del w_dq
             if recipe == "blockwise":
@@ -214,7 +237,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
             dw = torch._grouped_mm(a, b.t(), offs=offs_E)
         counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
         dw = torch.where((counts_E > 0).view(-1, 1, 1), dw, 0)
-        return _zero_tail(dx, offs_E), dw.to(ctx.w_dtype), None, None, None, None, None
+        return _zero_tail(dx, offs_E), dw.to(ctx.w_dtype), None, None, None, None, None, None, None
 
 
 def _zero_tail(t_PX: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -232,11 +255,11 @@ def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
     `_Fp8GroupedMMFn`.
     """
     with torch.autocast(x_PK.device.type, enabled=False):
-        weight_cast = w_ENK.dtype != x_PK.dtype
-        w_ENK = w_ENK.to(x_PK.dtype)
+        weight, blocks = _weight_and_blocks(w_ENK, x_PK.dtype)
         if kernel == DEEPGEMM:
-            return _zero_tail(_deepgemm_grouped_mm(x_PK, w_ENK, offs_E), offs_E)
-        return _Fp8GroupedMMFn.apply(x_PK, w_ENK, offs_E, recipe, kernel, host_offs_E, weight_cast)
+            return _zero_tail(_deepgemm_grouped_mm(x_PK, weight, offs_E), offs_E)
+        return _Fp8GroupedMMFn.apply(x_PK, weight, offs_E, recipe, kernel, host_offs_E, w_ENK.dtype != x_PK.dtype,
+                                     *blocks)
 
 
 def _deepgemm_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -269,6 +292,13 @@ class Fp8GroupedMM:
             return EMULATED
         return grouped_kernel(_platform(self.platform, x_PK), self.recipe, x_PK.dtype, w_ENK.shape[2],
                               w_ENK.shape[1])
+
+    def takes_blocks(self, w_ENK: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether the GEMM of weights like w_ENK in `dtype` takes weights that FSDP gathered as blocks
+        (`fsdp_all_gather`): blockwise on the emulation or the per-expert loop (DeepGEMM's GEMM quantises W
+        itself, with other scales)."""
+        return self.recipe == "blockwise" and (self.kernels == EMULATED or grouped_kernel(
+            self.platform, self.recipe, dtype, w_ENK.shape[2], w_ENK.shape[1]) in (EMULATED, PER_EXPERT))
 
     def host_offsets(self, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor | None:
         """A host copy of offs_E where these operands run on the per-expert loop (which reads it), else None."""

@@ -17,8 +17,8 @@ import torch
 from core.quantization import FP8_TILE
 
 __all__ = ["BLOCK", "E4M3", "E4M3_MAX", "ROWWISE_ALIGN", "WeightBlocks", "dequantize", "dequantize_row_segments",
-           "e4m3_to", "qdq_activation", "qdq_weight", "qdq_work_bytes", "quantize", "quantize_row_segments",
-           "quantize_tiles", "quantize_weight_blocks", "row_major", "row_segments"]
+           "dequantize_weight_blocks", "e4m3_to", "qdq_activation", "qdq_weight", "qdq_work_bytes", "quantize",
+           "quantize_row_segments", "quantize_tiles", "quantize_weight_blocks", "row_major", "row_segments"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -162,6 +162,14 @@ def quantize_weight_blocks(w: torch.Tensor) -> WeightBlocks:
     *lead, N, K = w.shape
     q, scale = quantize_tiles(w.reshape(-1, K), BLOCK, BLOCK)
     return WeightBlocks(q.view(w.shape), scale.view(*lead, N // BLOCK, K // BLOCK))
+
+
+def dequantize_weight_blocks(blocks: WeightBlocks, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [..., N, K] that `blocks` hold, in `dtype`: bit for bit `qdq_weight` of the weight they were
+    quantised from (exact: e4m3 values times powers of two)."""
+    *lead, N, K = blocks.q.shape
+    w = e4m3_to(blocks.q, dtype).view(*lead, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+    return w.mul_(blocks.scale.to(dtype).unsqueeze(-1).unsqueeze(-3)).view(blocks.q.shape)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, tile_rows: int, tile_cols: int,

@@ -176,7 +176,7 @@ _STAGES: dict[tuple, tuple] = {}
 def _stage_memory(spec, args, cfg, sh: Shape, names: list[str] | None, pbytes: int, shard: int):
     fp8 = cfg.fp8
     key = (spec.name, id(args), cfg.moe.aux_loss_coeff > 0, fp8.recipe, tuple(fp8.modules),
-           tuple(fp8.exclude_modules), sh, None if names is None else tuple(names), pbytes, shard)
+           tuple(fp8.exclude_modules), fp8.all_gather, sh, None if names is None else tuple(names), pbytes, shard)
     if key not in _STAGES:
         if len(_STAGES) > 4096:
             _STAGES.clear()
@@ -383,6 +383,8 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
     forward_flops += stage.head_flops if last else 0
     units = [b.unit_bytes for b in stage.blocks] + ([stage.head_unit_bytes] if last else []) + \
         ([stage.embedding_unit_bytes] if first else [])
+    unit_elements = [b.unit_bytes // pbytes if b.unit_elements is None else b.unit_elements for b in stage.blocks] + \
+        [u // pbytes for u in units[len(stage.blocks):]]
     backend = get_comm_backend(par.expert_parallel_comm_backend)
     hidden = stage.hidden_bytes // (sh.T * a)
     comm_buffers = backend.planned_buffer_bytes(hidden * max(a, 2), dims.ep) if dims.ep_enabled else 0
@@ -399,7 +401,10 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
             "a2a_recomputed_bytes": sum(b.a2a_bytes for b in stage.blocks if again(b.layer, _EXCHANGE)),
             "cp_bytes": sum(it.nbytes for _, it in cp_items),
             "cp_recomputed_bytes": sum(it.nbytes for layer, it in cp_items if again(layer, it.op)),
-            "fsdp_unit_bytes": units if fsdp else [], "unit_element_bytes": pbytes, "hidden_bytes": stage.hidden_bytes,
+            "fsdp_unit_bytes": units if fsdp else [], "fsdp_unit_elements": unit_elements if fsdp else [],
+            "fp8_gathered_elements": sum(b.fp8_gathered for b in stage.blocks) if fsdp else 0,
+            "fp8_gathered_shard_elements": sum(b.fp8_gathered_shard for b in stage.blocks) if fsdp else 0,
+            "hidden_bytes": stage.hidden_bytes,
             "grad_bytes": grads, "param_count": stage.param_numel, "token_bytes": hidden * max(a, 2),
             # AdamW's traffic per parameter: weights read and written, the gradient read, both moments read and
             # written; plus gradient clipping's

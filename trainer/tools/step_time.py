@@ -159,6 +159,9 @@ class Fp8Operands:
     where the dgrad takes the forward's e4m3 W transposed)."""
     weight_transposed_elements: float = 0.0
     """Weight elements per microbatch pass whose W^T is the forward's e4m3 W, transposed (a copy of 1 byte each)."""
+    gathered_shard_elements: float = 0.0
+    """The rank's shard of the FP8 weights FSDP gathers as blocks, which each gather quantises (the GEMMs quantise
+    those weights no more: they are not in weight_elements)."""
 
 
 _SHAPES: dict[tuple, tuple[tuple[str, tuple[int, ...]], ...]] = {}
@@ -216,14 +219,15 @@ def fp8_operands(spec, args, cfg, dims, work: dict) -> Fp8Operands | None:
     if fp8 is None:
         return None
     model = fp8.total - fp8.stacked * (1 - 1 / dims.ep)
-    held = sum(work["fsdp_unit_bytes"]) / work["unit_element_bytes"] if work["fsdp_unit_bytes"] else \
-        work["param_count"]
+    held = sum(work["fsdp_unit_elements"]) if work["fsdp_unit_elements"] else work["param_count"]
     weights = min(1.0, held / model) * (fp8.linears + fp8.experts / dims.ep)
     # without FSDP, autocast casts every weight for its GEMM: blockwise keeps the forward's e4m3 W for the dgrad
     # (`quantization.fp8.gemms._keeps_weight`; DeepGEMM's experts, where installed, quantise W^T again: not modelled)
     if cfg.fp8.recipe == "blockwise" and cfg.training.dtype == "bfloat16" and not dims.sharded:
         return Fp8Operands(fp8.elements_per_flop, weights, weights)
-    return Fp8Operands(fp8.elements_per_flop, 2 * weights)
+    gathered = min(work["fp8_gathered_elements"], weights)
+    return Fp8Operands(fp8.elements_per_flop, 2 * (weights - gathered),
+                       gathered_shard_elements=work["fp8_gathered_shard_elements"])
 
 
 def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work: dict, fp8_fraction: float,
@@ -245,6 +249,8 @@ def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work
         per_element = hw.fp8_quantize_bytes / (hw.hbm_gbps * 1e9 * hw.elementwise_efficiency)
         # the transposed e4m3 copy writes one byte per element and reads as much
         weights = passes * (fp8.weight_elements * per_element + _elementwise_s(fp8.weight_transposed_elements, hw))
+        # blocks FSDP gathers: every gather quantises this rank's shard of them
+        weights += passes * (2 if reshard else 1) * fp8.gathered_shard_elements * per_element
         quantize = passes * fp8.elements_per_flop * fp8_fraction * flops * per_element + weights
     bubble = (compute + quantize) * bubble_fraction(schedule, dims.pp, work["microbatches"], work["stages_per_rank"])
 
@@ -255,7 +261,7 @@ def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work
         part = (s - 1) / s
         gathers = 2 if reshard else 1
         gather_bytes = sum(work["fsdp_unit_bytes"])
-        grad_bytes = gather_bytes // work["unit_element_bytes"] * 4  # the units' fp32 gradients, reduce-scattered
+        grad_bytes = sum(work["fsdp_unit_elements"]) * 4  # the units' fp32 gradients, reduce-scattered
         fsdp = passes * (gathers * gather_bytes + grad_bytes) * part / bw
         first_gather = max(work["fsdp_unit_bytes"]) * part / bw
 
