@@ -259,3 +259,42 @@ def test_cuda_experts_module_on_real_kernels_matches_the_emulation():
             outs.append([y.detach(), xi.grad, *(p.grad for p in experts.parameters())])
         for g, e in zip(*outs):
             assert _rel(g, e) < 2 * BF16_LEVEL, f"{recipe}: {_rel(g, e):.3g} (seed {seed})"
+
+
+@pytest.mark.parametrize("kind", ["linear", "experts"])
+def test_cuda_real_kernels_on_fsdp_gathered_blocks_give_the_bits_of_the_bf16_weight(kind):
+    """FSDP gathers blockwise weights as e4m3 blocks (`fp8.all_gather`; the gather done by hand here, over 4 and 2
+    shards): the real kernels multiply the gathered blocks, W in forward and the same blocks transposed in the
+    dgrad, and give the same output and gradients bit for bit as the bf16 weight they were quantised from."""
+    from test_fp8_all_gather import _gathered
+
+    from quantization.fp8.gemms import _Fp8LinearFn
+
+    seed = _fresh_seed()
+    if kind == "linear":
+        kernels = blockwise_linear_kernels(_platform(), torch.bfloat16, 4096, 2048, 1536)
+        _require(kernels.fwd, "blockwise linears")
+        lin, x, dy = _linear("auto", 4096, seed)
+        master = lin.weight.detach().float()
+
+        def fn(a, w):
+            blocks = (w.q, w.scale) if hasattr(w, "q") else (None, None)
+            return _Fp8LinearFn.apply(a, w, "blockwise", kernels, False, *blocks)
+        ranks = 4
+    else:
+        kernel = grouped_kernel(_platform().with_values(deep_gemm=False), "blockwise", torch.bfloat16, 2048, 1536)
+        _require(kernel if kernel == PER_EXPERT else EMULATED, "blockwise grouped experts (per expert)")
+        x, w, dy, offs = _grouped(seed)
+        master = w.float()
+
+        def fn(a, w):
+            return fp8_grouped_mm(a, w, offs, "blockwise", PER_EXPERT)
+        ranks = 2
+    results = []
+    for w in (torch.nn.Parameter(master.bfloat16()), _gathered(master, ranks, torch.bfloat16)):
+        xi = x.clone().requires_grad_()
+        y = fn(xi, w)
+        y.backward(dy)
+        results.append((y.detach(), xi.grad, w.grad))
+    for name, g, e in zip(("y", "dx", "dW"), *results):
+        assert torch.equal(g, e), f"{name} (seed {seed})"
