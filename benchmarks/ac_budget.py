@@ -279,10 +279,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv: list[str]) -> None:
     """CLI (see the module docstring)."""
     if argv[:1] == ["--worker"]:
-        from trainer import device as devices
-
         serve_jobs(argv[1], argv[2], _train, timeout_s=600)
-        devices.end_process(0)  # the process group may outlive its shutdown (see there)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ngpu", type=int, choices=sorted(LAYOUTS), help="one layout (default: all)")
     parser.add_argument("--optimality", action="store_true", help="the choice vs the plan's optimum, no training")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -231,10 +232,11 @@ def torchrun_jobs(script: str, jobs: dict[str, list[str]], ranks: int, tmp: str,
     return results
 
 
-def serve_jobs(jobs_file: str, out_dir: str, train: Callable[[list[str]], dict], timeout_s: int) -> None:
+def serve_jobs(jobs_file: str, out_dir: str, train: Callable[[list[str]], dict], timeout_s: int) -> NoReturn:
     """The torchrun worker of `torchrun_jobs`: one process group, one torch thread per rank, every job in turn;
     `train(args)` returns this rank's result (JSON), written to OUT as `<job>.rank<r>.json`; the ranks start each
-    job together."""
+    job together. Ends the process (exit 0) when done: the process group may outlive its shutdown
+    (`trainer.device.end_process`)."""
     import torch
     import torch.distributed as dist
 
@@ -252,3 +254,4 @@ def serve_jobs(jobs_file: str, out_dir: str, train: Callable[[list[str]], dict],
             dist.barrier()
     finally:
         devices.shutdown_distributed()
+    devices.end_process(0)

@@ -168,10 +168,7 @@ def main(argv: list[str]) -> None:
         print(__doc__)
         return
     if argv[:1] == ["--worker"]:
-        from trainer import device as devices
-
         serve_jobs(argv[1], argv[2], _train_row, timeout_s=300)
-        devices.end_process(0)  # the process group may outlive its shutdown (see there)
     def value(flag: str, default: str) -> str:
         return argv[argv.index(flag) + 1] if flag in argv else default
 

@@ -26,23 +26,6 @@ def _gathered(w: torch.Tensor, ranks: int, param_dtype: torch.dtype) -> torch.Te
     return torch.nn.Parameter(blocks)
 
 
-class _Counted:
-    """Weight quantisations inside the GEMMs (`quantization.fp8.gemms`)."""
-
-    def __init__(self, monkeypatch):
-        from quantization.fp8 import gemms
-
-        self.calls = 0
-        for name in ("qdq_weight", "quantize_weight_blocks"):
-            monkeypatch.setattr(gemms, name, self._counting(getattr(gemms, name)))
-
-    def _counting(self, fn):
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return fn(*args, **kwargs)
-        return counted
-
-
 def _run(fn, w, x, dy):
     """(y, dx, dW) of fn(x, w)."""
     x = x.detach().clone().requires_grad_()
@@ -82,6 +65,8 @@ def test_the_linear_on_gathered_blocks_quantises_no_weight_and_gives_the_same_bi
     those of the weight FSDP would otherwise gather (the master weight cast to bf16), and the GEMMs quantise no
     weight, forward or backward; the weight's gradient is a plain bf16 tensor of its shape (what FSDP
     reduce-scatters)."""
+    from test_fp8 import _Counted
+
     gen = torch.Generator().manual_seed(2)
     master = torch.randn(512, 256, generator=gen) * 0.05
     linear = torch.nn.Linear(256, 512, bias=False)
@@ -94,10 +79,9 @@ def test_the_linear_on_gathered_blocks_quantises_no_weight_and_gives_the_same_bi
         return torch.func.functional_call(module, {"weight": w}, (x,))
 
     want = _run(call, plain, x, dy)
-    assert counted.calls == 2  # W in forward, W^T in backward
-    counted.calls = 0
+    assert counted.take() == 2  # W in forward, W^T in backward
     got = _run(call, _gathered(master, 4, torch.bfloat16), x, dy)
-    assert counted.calls == 0
+    assert counted.take() == 0
     assert type(got[2]) is torch.Tensor and got[2].dtype == torch.bfloat16 and got[2].shape == master.shape
     for g, w in zip(got, want):
         assert torch.equal(g, w)
@@ -108,7 +92,7 @@ def test_the_experts_on_gathered_blocks_give_the_same_bits(monkeypatch, kernel):
     """The routed experts' grouped GEMM on gathered blocks, on the emulation and on the per-expert real kernels
     (torch's FP8 GEMMs replaced by references that compute what their scales mean, tests/test_fp8.py): the same
     output and gradients as the bf16 weight, and no weight quantised."""
-    from test_fp8 import _grouped_case, _with_reference_gemms
+    from test_fp8 import _Counted, _grouped_case, _with_reference_gemms
 
     _with_reference_gemms(monkeypatch)
     x, master, dy, offs, _, _ = _grouped_case()
@@ -121,9 +105,9 @@ def test_the_experts_on_gathered_blocks_give_the_same_bits(monkeypatch, kernel):
         return fp8_grouped_mm(x, w, offs, "blockwise", kernel)
 
     want = _run(call, torch.nn.Parameter(master.bfloat16()), x, dy)
-    counted.calls = 0
+    counted.take()
     got = _run(call, _gathered(master, 2, torch.bfloat16), x, dy)
-    assert counted.calls == 0
+    assert counted.take() == 0
     for g, w in zip(got, want):
         assert torch.equal(g, w)
 
@@ -197,13 +181,14 @@ def test_deepgemm_experts_take_no_gathered_blocks():
 def test_all_gather_benchmark_smoke():
     """The benchmark's smoke layout (FSDP 2, bf16): gathering blocks delivers fewer bytes per step (the FP8 weights'
     1 byte and scales instead of 2; the embedding, head, norms, router and wkv_a stay bf16), with the same losses
-    and gradient norms, and a lower peak in the plan and in the measurement."""
+    and gradient norms; the plan predicts a lower peak, and both peaks within 15% of the measured ones (at this size
+    the measured peaks differ by less than their run-to-run spread, docs/fp8.md)."""
     from benchmarks.fp8_all_gather import run_benchmark
 
     [row] = run_benchmark(smoke=True)
     assert row["same_losses_and_grad_norms"] is True
     assert 0.45 < row["gathered_ratio"] < 0.6, row
     on, off = row["all_gather_on"], row["all_gather_off"]
-    assert on["peak_MiB"] < off["peak_MiB"] and on["predicted_peak_MiB"] < off["predicted_peak_MiB"]
+    assert on["predicted_peak_MiB"] < off["predicted_peak_MiB"]
     for run in (on, off):
         assert abs(run["predicted_peak_MiB"] / run["peak_MiB"] - 1) <= 0.15, row
