@@ -192,3 +192,28 @@ def test_all_gather_benchmark_smoke():
     assert on["predicted_peak_MiB"] < off["predicted_peak_MiB"]
     for run in (on, off):
         assert abs(run["predicted_peak_MiB"] / run["peak_MiB"] - 1) <= 0.15, row
+
+
+@pytest.mark.slow
+def test_the_compiled_optimizer_step_updates_a_wrapped_master_weight_as_a_plain_one():
+    """BF16-moment AdamW's fused step runs compiled on CUDA (`trainer.optimizer`), where FSDP hands it the wrapped
+    master weight's shard: compiled here on CPU, it updates the wrapped weight in place exactly as a plain one,
+    moments included."""
+    from trainer.optimizer import _compiled_tensor_step
+
+    gen = torch.Generator().manual_seed(3)
+    n = 4096
+    master, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    hyper = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+    def state(p):
+        return (p, grad.clone(), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16),
+                torch.zeros(()), torch.tensor(1e-3), torch.zeros(()), torch.ones(()))
+
+    want = state(master.clone())
+    _compiled_tensor_step()(*want, **hyper)
+    assert not torch.equal(want[0], master)
+    inner = master.clone()
+    got = state(Fp8GatheredWeight(inner).view(-1).detach())
+    _compiled_tensor_step()(*got, **hyper)
+    assert torch.equal(inner, want[0]) and torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])

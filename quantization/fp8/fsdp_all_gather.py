@@ -84,6 +84,10 @@ class Fp8GatheredWeight(torch.Tensor):
     def __repr__(self):
         return f"Fp8GatheredWeight({self._tensor!r})"
 
+    def _stable_hash_for_caching(self) -> str:
+        # AOT autograd's cache key (torch 2.13): the wrapper holds nothing but its inner tensor
+        return _metadata("Fp8GatheredWeight", self._tensor)
+
     def __reduce_ex__(self, protocol):
         # saved (checkpoints, torch.save) as the plain tensor it wraps: loadable with weights_only and without
         # this module, into any layout and recipe
@@ -141,6 +145,14 @@ class Fp8WeightBlocks(torch.Tensor):
 
     def __repr__(self):
         return f"Fp8WeightBlocks(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def _stable_hash_for_caching(self) -> str:
+        return _metadata(f"Fp8WeightBlocks[{self.dtype}]", self.q, self.scale)
+
+
+def _metadata(name: str, *tensors: torch.Tensor) -> str:
+    """A subclass's name and its inner tensors' layouts (not their values), as a compile cache's key takes them."""
+    return name + "".join(f"({t.dtype}, {tuple(t.shape)}, {tuple(t.stride())}, {t.device.type})" for t in tensors)
 
 
 def gather_as_blocks(module: nn.Module, name: str, shard_size: int) -> bool:
