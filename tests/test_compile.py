@@ -348,10 +348,14 @@ def test_four_ranks_sharded_experts_compiled_with_ac_through_the_trainer(tmp_pat
 def test_four_ranks_fp8_experts_gathered_as_blocks_compile(tmp_path):
     """The same layout with the blockwise recipe: FSDP gathers the routed experts' weights (DTensors over EP) as
     e4m3 blocks (`fp8.all_gather`), and the compiled experts take the gathered tensor subclass as a graph input,
-    without recompiles, with eager's losses."""
-    fp8 = ["--fp8.recipe", "blockwise"]
-    results = launch(4, {"eager": fp8, "compiled": fp8 + ["--compile.enable", "true"]}, tmp_path)
+    without recompiles, with eager's losses; and with the losses of gathering the fp32 weights, bit for bit (the
+    compiled experts compute in bf16: the shards are quantised from their bf16 copies, as the GEMMs quantise)."""
+    fp8, compiled = ["--fp8.recipe", "blockwise"], ["--compile.enable", "true"]
+    results = launch(4, {"eager": fp8, "compiled": fp8 + compiled,
+                         "compiled_gather_off": fp8 + compiled + ["--fp8.all_gather", "false"]}, tmp_path)
     assert_compiled_around_dispatcher_like_eager(results["eager"], results["compiled"])
+    for key in ("loss", "validation/loss"):
+        assert results["compiled"][key] == results["compiled_gather_off"][key]
 
 
 def assert_compiled_around_dispatcher_like_eager(eager: dict, compiled: dict) -> None:

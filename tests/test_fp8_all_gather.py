@@ -49,6 +49,21 @@ def test_shards_quantised_and_gathered_are_the_blocks_of_the_gathered_weight():
         assert torch.equal(p.q.view(torch.uint8), whole.q.view(torch.uint8)) and torch.equal(p.scale, whole.scale)
 
 
+def test_a_lower_compute_dtype_quantises_the_weight_cast_to_it():
+    """The routed experts compute in bf16 on CUDA and under compile whatever FSDP's param dtype: a wrapper of
+    compute dtype bf16 (kept through the ops FSDP shards with) quantises the fp32 shard cast to bf16, the copy the
+    GEMM would quantise, not the fp32 values."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(512, 256, generator=gen)
+    shard = Fp8GatheredWeight(w, torch.bfloat16).chunk(2)[1]
+    assert type(shard) is Fp8GatheredWeight and shard.compute_dtype == torch.bfloat16
+    (q, scale), _ = shard.fsdp_pre_all_gather(None, w.shape, w.stride(), None,
+                                               types.SimpleNamespace(param_dtype=None))
+    want, plain = quantize_weight_blocks(w[256:].bfloat16()), quantize_weight_blocks(w[256:])
+    assert torch.equal(q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(scale, want.scale)
+    assert not torch.equal(q.view(torch.uint8), plain.q.view(torch.uint8))  # fp32 values round otherwise
+
+
 @pytest.mark.parametrize("shape, ranks, ok", [
     ((512, 256), 4, True), ((512, 256), 8, False),  # 4 blocks of rows: whole blocks over 4 ranks, not over 8
     ((384, 200), 2, False),  # K not a multiple of 128
@@ -171,10 +186,11 @@ def test_deepgemm_experts_take_no_gathered_blocks():
 
     w = torch.empty(8, 2048, 7168, device="meta")
     hopper = Platform("cuda", (9, 0), blockwise_scaled_mm=True, deep_gemm=True)
-    assert not Fp8GroupedMM("blockwise", platform=hopper).takes_blocks(w, torch.bfloat16)
-    assert Fp8GroupedMM("blockwise", kernels="emulated", platform=hopper).takes_blocks(w, torch.bfloat16)
-    assert Fp8GroupedMM("blockwise", platform=Platform("cpu")).takes_blocks(w, torch.bfloat16)
-    assert not Fp8GroupedMM("rowwise", platform=Platform("cpu")).takes_blocks(w, torch.bfloat16)
+    assert not Fp8GroupedMM("blockwise", platform=hopper).takes_blocks(w)
+    assert Fp8GroupedMM("blockwise", platform=hopper.with_values(deep_gemm=False)).takes_blocks(w)
+    assert Fp8GroupedMM("blockwise", kernels="emulated", platform=hopper).takes_blocks(w)
+    assert Fp8GroupedMM("blockwise", platform=Platform("cpu")).takes_blocks(w)
+    assert not Fp8GroupedMM("rowwise", platform=Platform("cpu")).takes_blocks(w)
 
 
 @pytest.mark.slow

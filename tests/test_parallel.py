@@ -80,9 +80,13 @@ def test_four_ranks_hsdp_fp8_and_interleaved_pipeline(tmp_path, reference, fp8_r
         # by default), against gathering them in the param dtype: the same bits
         "fsdp4_ep2_fp8": FP8 + ["--parallelism.expert_parallel_degree", "2"],
         "fsdp4_ep2_fp8_gather_off": FP8 + ["--parallelism.expert_parallel_degree", "2", "--fp8.all_gather", "false"],
+        # a pipeline keeps every unit gathered from the forward to the backward (no resharding after forward)
+        "pp2_fsdp2_fp8": FP8 + PP_DP2,
+        "pp2_fsdp2_fp8_gather_off": FP8 + PP_DP2 + ["--fp8.all_gather", "false"],
     }, tmp_path)
-    assert results.pop("fsdp4_ep2_fp8_gather_off") == results["fsdp4_ep2_fp8"]
-    _assert_fp8_parity({name: results.pop(name) for name in ("hsdp2x2_fp8", "fsdp4_ep2_fp8")},
+    for name in ("fsdp4_ep2_fp8", "pp2_fsdp2_fp8"):
+        assert results.pop(f"{name}_gather_off") == results[name], name
+    _assert_fp8_parity({name: results.pop(name) for name in ("hsdp2x2_fp8", "fsdp4_ep2_fp8", "pp2_fsdp2_fp8")},
                        fp8_references["blockwise"])
     _assert_parity(results, reference)
 
@@ -181,18 +185,23 @@ def test_two_ranks_fp8_fsdp_pipeline_and_ep(tmp_path, fp8_references):
         # FSDP gathers the blockwise weights as e4m3 blocks by default (`fp8.all_gather`): the same values as
         # gathering them in the param dtype, so the same losses and gradients bit for bit
         "fsdp2_fp8_gather_off": FP8 + ["--fp8.all_gather", "false"],
-        # a checkpoint of the gathered run (its master weights saved as plain tensors) resumes exactly, here without
-        # gathering blocks
+        # a checkpoint of a gathered run (its master weights saved as plain tensors) resumes exactly without
+        # gathering blocks, and one saved without gathering resumes exactly into the wrapped master weights
         "fsdp2_fp8_saved": {"args": FP8 + CHECKPOINT_AT_2 + ["--job.dump_folder", str(tmp_path / "resumed")],
                             "stop_after": 2},
         "fsdp2_fp8_resumed": FP8 + CHECKPOINT_AT_2 + ["--job.dump_folder", str(tmp_path / "resumed"),
                                                       "--fp8.all_gather", "false"],
+        "fsdp2_fp8_saved_plain": {"args": FP8 + CHECKPOINT_AT_2 + ["--job.dump_folder", str(tmp_path / "plain"),
+                                                                   "--fp8.all_gather", "false"], "stop_after": 2},
+        "fsdp2_fp8_resumed_gathered": FP8 + CHECKPOINT_AT_2 + ["--job.dump_folder", str(tmp_path / "plain")],
         "pp2_fp8": FP8 + ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"],
         "fsdp2_ep2_fp8": FP8 + ["--parallelism.expert_parallel_degree", "2"],
         "fsdp2_ep2_rowwise": ROWWISE + ["--parallelism.expert_parallel_degree", "2"],
     }, tmp_path)
     assert results.pop("fsdp2_fp8_gather_off") == results["fsdp2_fp8"]
-    assert results.pop("fsdp2_fp8_saved") == results["fsdp2_fp8"][:2]
-    assert results.pop("fsdp2_fp8_resumed") == results["fsdp2_fp8"][2:]
+    for saved, resumed in (("fsdp2_fp8_saved", "fsdp2_fp8_resumed"),
+                           ("fsdp2_fp8_saved_plain", "fsdp2_fp8_resumed_gathered")):
+        assert results.pop(saved) == results["fsdp2_fp8"][:2]
+        assert results.pop(resumed) == results["fsdp2_fp8"][2:]
     _assert_fp8_parity({"fsdp2_ep2_rowwise": results.pop("fsdp2_ep2_rowwise")}, fp8_references["rowwise"])
     _assert_fp8_parity(results, fp8_references["blockwise"])

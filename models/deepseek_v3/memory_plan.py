@@ -259,7 +259,8 @@ def fp8_gathered_modules(args: ModelArgs, moe: bool, sh: Shape, params: list[tup
     """The block-relative names of the FP8 modules of a block (its `params`: (name, shape)) whose weights FSDP
     gathers as blocks over `shard` ranks with `fp8.all_gather` (`quantization.fp8.convert.apply_fp8_all_gather`):
     blockwise, and every rank's shard holds whole 128 x 128 blocks (routed experts: this EP rank's, sharded over
-    the `shard / ep` ranks left)."""
+    the `shard / ep` ranks left). The routed experts count as gathered as blocks: the plan does not know whether
+    the GPU has DeepGEMM, whose experts gather in bf16 (docs/fp8.md)."""
     if selection.recipe != "blockwise":
         return frozenset()
     gemms = block_gemms(args, moe)

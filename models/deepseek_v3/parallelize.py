@@ -102,8 +102,10 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job: Parall
                                                         not parallel_dims.pp_enabled)
         if job.fp8.all_gather:
             experts = meshes.experts if meshes.experts is not None else meshes.dense
+            # the routed experts compute in bf16 on CUDA and under compile (`moe._experts_grouped_mm`)
+            bf16_experts = meshes.dense.device_type == "cuda" or compiles_model(job.compile)
             apply_fp8_all_gather(model, meshes.dense.shape[-1], experts.shape[-1],
-                                 torch.bfloat16 if job.dtype == "bfloat16" else torch.float32)
+                                 torch.bfloat16 if bf16_experts else None)
         shard_model(model, meshes, job.dtype, job.reduce_dtype, reshard)
     return model
 

@@ -73,22 +73,24 @@ def apply_fp8(blocks: Mapping[str, nn.Module], selection: Fp8Selection, platform
     return converted
 
 
-def apply_fp8_all_gather(root: nn.Module, dense_shard: int, experts_shard: int, param_dtype: torch.dtype) -> int:
+def apply_fp8_all_gather(root: nn.Module, dense_shard: int, experts_shard: int, experts_dtype: torch.dtype | None
+                         ) -> int:
     """Before `fully_shard`: let FSDP gather the weights of `root`'s blockwise FP8 modules as e4m3 blocks
     (`fsdp_all_gather`), where each rank's shard holds whole blocks: linears sharded over `dense_shard` ranks,
-    routed experts over `experts_shard`, gathered for compute in `param_dtype`. Returns how many weights it
-    converted, of how many FP8 weights, in one log line."""
+    routed experts over `experts_shard` (quantised from `experts_dtype`, the dtype they compute in where it is not
+    FSDP's param dtype; None: the param dtype). Returns how many weights it converted, of how many FP8 weights, in
+    one log line."""
     converted = total = 0
     for module in root.modules():
         if isinstance(module, Fp8Linear):
-            names, shard = (["weight"] if module.recipe == "blockwise" else []), dense_shard
+            names, shard, dtype = (["weight"] if module.recipe == "blockwise" else []), dense_shard, None
         elif isinstance(mm := getattr(module, QUANTIZED_MM, None), Fp8GroupedMM):
-            names = [n for n, w in module.named_parameters(recurse=False) if mm.takes_blocks(w, param_dtype)]
-            shard = experts_shard
+            names = [n for n, w in module.named_parameters(recurse=False) if mm.takes_blocks(w)]
+            shard, dtype = experts_shard, experts_dtype
         else:
             continue
         total += len(names)
-        converted += sum(gather_as_blocks(module, name, shard) for name in names)
+        converted += sum(gather_as_blocks(module, name, shard, dtype) for name in names)
     if total:
         logger.info("fp8 all-gather: FSDP gathers %d of %d blockwise FP8 weights as e4m3 blocks (the others: "
                     "sharded over one rank, or their shards split 128x128 blocks)", converted, total)

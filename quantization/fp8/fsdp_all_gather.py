@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from quantization.fp8.quantize import BLOCK, quantize_weight_blocks
 
@@ -50,43 +50,50 @@ def gathers_blocks(shape: torch.Size | tuple[int, ...], shard_dim_size: int) -> 
 
 
 class Fp8GatheredWeight(torch.Tensor):
-    """A high-precision weight (shard) that FSDP2 all-gathers as e4m3 128 x 128 blocks (`Fp8WeightBlocks`)."""
+    """A high-precision weight (shard) that FSDP2 all-gathers as e4m3 128 x 128 blocks (`Fp8WeightBlocks`).
+
+    compute_dtype: the dtype the GEMMs cast the gathered weight to before quantising it, where that is not FSDP's
+    param dtype (the routed experts compute in bf16 on CUDA and under torch.compile, whatever the param dtype);
+    None: the param dtype. The shard is cast the same way, so its blocks are the bits the GEMMs would quantise.
+    """
 
     _tensor: torch.Tensor
+    compute_dtype: torch.dtype | None
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor):
+    def __new__(cls, tensor: torch.Tensor, compute_dtype: torch.dtype | None = None):
         return torch.Tensor._make_wrapper_subclass(cls, tensor.shape, strides=tensor.stride(),
                                                    storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
                                                    device=tensor.device, layout=tensor.layout,
                                                    requires_grad=tensor.requires_grad)
 
-    def __init__(self, tensor: torch.Tensor):
-        self._tensor = tensor
+    def __init__(self, tensor: torch.Tensor, compute_dtype: torch.dtype | None = None):
+        self._tensor, self.compute_dtype = tensor, compute_dtype
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        wrapper = next(t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, Fp8GatheredWeight))
         args, kwargs = tree_map_only(Fp8GatheredWeight, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _KEEPS_WRAPPER:
             return out
-        return tree_map_only(torch.Tensor, Fp8GatheredWeight, out)
+        return tree_map_only(torch.Tensor, lambda t: Fp8GatheredWeight(t, wrapper.compute_dtype), out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], None
+        return ["_tensor"], self.compute_dtype
 
     @staticmethod
-    def __tensor_unflatten__(inner_tensors, metadata, outer_size, outer_stride):
-        return Fp8GatheredWeight(inner_tensors["_tensor"])
+    def __tensor_unflatten__(inner_tensors, compute_dtype, outer_size, outer_stride):
+        return Fp8GatheredWeight(inner_tensors["_tensor"], compute_dtype)
 
     def __repr__(self):
-        return f"Fp8GatheredWeight({self._tensor!r})"
+        return f"Fp8GatheredWeight({self._tensor!r}, compute_dtype={self.compute_dtype})"
 
     def _stable_hash_for_caching(self) -> str:
-        # AOT autograd's cache key (torch 2.13): the wrapper holds nothing but its inner tensor
-        return _metadata("Fp8GatheredWeight", self._tensor)
+        # AOT autograd's cache key (torch 2.13): the wrapper holds its inner tensor and the compute dtype
+        return _metadata(f"Fp8GatheredWeight[{self.compute_dtype}]", self._tensor)
 
     def __reduce_ex__(self, protocol):
         # saved (checkpoints, torch.save) as the plain tensor it wraps: loadable with weights_only and without
@@ -94,9 +101,10 @@ class Fp8GatheredWeight(torch.Tensor):
         return self._tensor.__reduce_ex__(protocol)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """The shard's blocks in FSDP's param dtype: (e4m3 values, fp32 scales), gathered along dim 0."""
-        dtype = mp_policy.param_dtype or self.dtype
-        blocks = quantize_weight_blocks(self._tensor.to(dtype))
+        """The shard's blocks, cast as FSDP and the GEMMs would cast it: (e4m3 values, fp32 scales), gathered along
+        dim 0."""
+        w = self._tensor.to(mp_policy.param_dtype or self.dtype)
+        blocks = quantize_weight_blocks(w if self.compute_dtype is None else w.to(self.compute_dtype))
         return (blocks.q, blocks.scale), None
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -155,15 +163,15 @@ def _metadata(name: str, *tensors: torch.Tensor) -> str:
     return name + "".join(f"({t.dtype}, {tuple(t.shape)}, {tuple(t.stride())}, {t.device.type})" for t in tensors)
 
 
-def gather_as_blocks(module: nn.Module, name: str, shard_size: int) -> bool:
+def gather_as_blocks(module: nn.Module, name: str, shard_size: int, compute_dtype: torch.dtype | None = None) -> bool:
     """Make `module`'s parameter `name` (a plain tensor, or a DTensor sharded over expert parallelism) an
-    `Fp8GatheredWeight` before `fully_shard` shards it over `shard_size` ranks, where every shard holds whole
-    blocks (`gathers_blocks`); returns whether it did."""
+    `Fp8GatheredWeight` (of `compute_dtype`, see there) before `fully_shard` shards it over `shard_size` ranks,
+    where every shard holds whole blocks (`gathers_blocks`); returns whether it did."""
     param = getattr(module, name)
     local = param.to_local() if isinstance(param, DTensor) else param.data
     if isinstance(local, Fp8GatheredWeight) or not gathers_blocks(local.shape, shard_size):
         return False
-    wrapped = Fp8GatheredWeight(local.detach())
+    wrapped = Fp8GatheredWeight(local.detach(), compute_dtype)
     if isinstance(param, DTensor):
         wrapped = DTensor.from_local(wrapped, param.device_mesh, param.placements, run_check=False,
                                      shape=param.shape, stride=param.stride())

@@ -293,12 +293,12 @@ class Fp8GroupedMM:
         return grouped_kernel(_platform(self.platform, x_PK), self.recipe, x_PK.dtype, w_ENK.shape[2],
                               w_ENK.shape[1])
 
-    def takes_blocks(self, w_ENK: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Whether the GEMM of weights like w_ENK in `dtype` takes weights that FSDP gathered as blocks
-        (`fsdp_all_gather`): blockwise on the emulation or the per-expert loop (DeepGEMM's GEMM quantises W
-        itself, with other scales)."""
+    def takes_blocks(self, w_ENK: torch.Tensor) -> bool:
+        """Whether the GEMM of weights like w_ENK takes weights that FSDP gathered as blocks (`fsdp_all_gather`):
+        blockwise, not on DeepGEMM (whose GEMM quantises W itself, with other scales; the kernel of bf16, in which
+        the experts compute on CUDA whatever the param dtype)."""
         return self.recipe == "blockwise" and (self.kernels == EMULATED or grouped_kernel(
-            self.platform, self.recipe, dtype, w_ENK.shape[2], w_ENK.shape[1]) in (EMULATED, PER_EXPERT))
+            self.platform, self.recipe, torch.bfloat16, w_ENK.shape[2], w_ENK.shape[1]) != DEEPGEMM)
 
     def host_offsets(self, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor | None:
         """A host copy of offs_E where these operands run on the per-expert loop (which reads it), else None."""

@@ -225,8 +225,10 @@ def fp8_operands(spec, args, cfg, dims, work: dict) -> Fp8Operands | None:
     # (`quantization.fp8.gemms._keeps_weight`; DeepGEMM's experts, where installed, quantise W^T again: not modelled)
     if cfg.fp8.recipe == "blockwise" and cfg.training.dtype == "bfloat16" and not dims.sharded:
         return Fp8Operands(fp8.elements_per_flop, weights, weights)
+    # weights FSDP gathers as blocks: the dgrad takes them transposed (a 1-byte copy), each gather quantises the
+    # rank's shard
     gathered = min(work["fp8_gathered_elements"], weights)
-    return Fp8Operands(fp8.elements_per_flop, 2 * (weights - gathered),
+    return Fp8Operands(fp8.elements_per_flop, 2 * (weights - gathered), weight_transposed_elements=gathered,
                        gathered_shard_elements=work["fp8_gathered_shard_elements"])
 
 
