@@ -52,9 +52,9 @@ class BlockMemory:
     attn_ws: int  # backward working set of the attention
     ffn_ws: int  # backward working set of the FFN (with any gradient all-to-all buffers)
     unit_bytes: int  # the block's parameters as FSDP gathers them (experts: this rank's EP share)
+    unit_elements: int  # how many elements those are
     grad_bytes: int  # this rank's fp32 gradients of the block
     a2a_bytes: int = 0  # bytes of one expert-parallel all-to-all of the block (the larger of sent and received)
-    unit_elements: int | None = None  # elements of unit_bytes (None: unit_bytes over the gather's element size)
     fp8_gathered: int = 0  # elements of them FSDP gathers as FP8 blocks (1 byte and a 128 x 128 block's scale each)
     fp8_gathered_shard: int = 0  # this rank's shard of those: what each of its gathers quantises
 

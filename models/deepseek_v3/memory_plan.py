@@ -233,7 +233,7 @@ def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, selection: Fp8Sele
     high-precision backward (`quantization.fp8.accounting.gemm_backward_extra_bytes`); (0, 0) with recipe none.
     `weights_cast`: the GEMMs get copies of the weights cast to the compute dtype (autocast without FSDP), so
     blockwise saves the forward's quantised weight for the dgrad; `gathered`: the modules whose weights FSDP
-    gathers as FP8 blocks (`fp8_gathered_modules`)."""
+    gathers as FP8 blocks (those of `fp8_gathered_params`)."""
     if selection.recipe == "none":
         return 0, 0
     kept = weights_cast and selection.recipe == "blockwise"
@@ -254,26 +254,26 @@ def fp8_backward_extra(args: ModelArgs, moe: bool, sh: Shape, selection: Fp8Sele
     return extra["attention"], extra["ffn"]
 
 
-def fp8_gathered_modules(args: ModelArgs, moe: bool, sh: Shape, params: list[tuple[str, tuple[int, ...]]],
-                         shard: int, selection: Fp8Selection) -> frozenset[str]:
-    """The block-relative names of the FP8 modules of a block (its `params`: (name, shape)) whose weights FSDP
-    gathers as blocks over `shard` ranks with `fp8.all_gather` (`quantization.fp8.convert.apply_fp8_all_gather`):
-    blockwise, and every rank's shard holds whole 128 x 128 blocks (routed experts: this EP rank's, sharded over
-    the `shard / ep` ranks left). The routed experts count as gathered as blocks: the plan does not know whether
-    the GPU has DeepGEMM, whose experts gather in bf16 (docs/fp8.md)."""
+def _module_of(name: str) -> str:
+    """The block-relative module of parameter `name`: `attention.wq` for `layers.3.attention.wq.weight`."""
+    return name.split(".", 2)[2].rpartition(".")[0]
+
+
+def fp8_gathered_params(args: ModelArgs, moe: bool, sh: Shape, params: list[tuple[str, tuple[int, ...]]],
+                        shard: int, selection: Fp8Selection) -> frozenset[str]:
+    """The parameters of a block (its `params`: (name, shape)) that FSDP gathers as blocks over `shard` ranks with
+    `fp8.all_gather`, as `quantization.fp8.convert.apply_fp8_all_gather` wraps them: the blockwise FP8 modules'
+    weights whose every shard holds whole 128 x 128 blocks (routed experts: this EP rank's, sharded over the
+    `shard / ep` ranks left). The routed experts count as gathered as blocks: the plan does not know whether the
+    GPU has DeepGEMM, whose experts gather in bf16 (docs/fp8.md)."""
     if selection.recipe != "blockwise":
         return frozenset()
     gemms = block_gemms(args, moe)
-    out = set()
-    for name, shape in params:
-        module = name.split(".", 2)[2].rpartition(".")[0]
-        if module not in gemms or not selection.selects(module):
-            continue
-        ok = gathers_blocks((shape[0] // sh.ep, *shape[1:]), shard // sh.ep) if _is_expert(name) else \
-            gathers_blocks(shape, shard)
-        if ok:
-            out.add(module)
-    return frozenset(out)
+    return frozenset(
+        name for name, shape in params
+        if _module_of(name) in gemms and selection.selects(_module_of(name)) and
+        (gathers_blocks((shape[0] // sh.ep, *shape[1:]), shard // sh.ep) if _is_expert(name) else
+         gathers_blocks(shape, shard)))
 
 
 def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, params: list[tuple[str, tuple[int, ...]]],
@@ -304,22 +304,21 @@ def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, params: list[
         sent = T * args.n_activated_experts
         ffn_ws += (sent + received) * args.dim * a  # all-to-all buffers of the gradients, there and back
         a2a = 2 * max(sent, received) * args.dim * a  # dispatch and combine
-    gathered = fp8_gathered_modules(args, moe, sh, params, shard, selection) if fp8_gather else frozenset()
+    gathered = fp8_gathered_params(args, moe, sh, params, shard, selection) if fp8_gather else frozenset()
     # parameters gathered (or held) in more bytes than the compute dtype's: the GEMMs get cast copies
     fp8_attn, fp8_ffn = fp8_backward_extra(args, moe, sh, selection, align, weights_cast=gather_bytes > a,
-                                           gathered=gathered)
+                                           gathered=frozenset(map(_module_of, gathered)))
     attn_ws += fp8_attn
     ffn_ws += fp8_ffn
     # FSDP gathers the block's dense weights whole and the experts' weights of this EP rank, the FP8 modules'
     # as blocks where `gathered`
     numel = {n: math.prod(shape) // (sh.ep if _is_expert(n) else 1) for n, shape in params}
     local = {n: local_numel(n, shape, sh.ep, shard) for n, shape in params}
-    fp8 = [n for n in numel if n.split(".", 2)[2].rpartition(".")[0] in gathered]
-    fp8_numel = sum(numel[n] for n in fp8)
+    fp8_numel = sum(numel[n] for n in gathered)
     unit = (sum(numel.values()) - fp8_numel) * gather_bytes + math.ceil(fp8_numel * FP8_GATHER_BYTES)
-    return BlockMemory(layer, items, ffn, attn_ws, ffn_ws, unit, sum(local.values()) * 4, a2a,
-                       unit_elements=sum(numel.values()), fp8_gathered=fp8_numel,
-                       fp8_gathered_shard=sum(local[n] for n in fp8))
+    return BlockMemory(layer, items, ffn, attn_ws, ffn_ws, unit_bytes=unit, unit_elements=sum(numel.values()),
+                       grad_bytes=sum(local.values()) * 4, a2a_bytes=a2a, fp8_gathered=fp8_numel,
+                       fp8_gathered_shard=sum(local[n] for n in gathered))
 
 
 def stage_memory(args: ModelArgs, moe_cfg: MoESection, fp8_cfg, sh: Shape, names: list[str] | None,

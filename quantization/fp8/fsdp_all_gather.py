@@ -74,12 +74,13 @@ class Fp8GatheredWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        wrapper = next(t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, Fp8GatheredWeight))
+        keeps = func in _KEEPS_WRAPPER
+        # looked up only for the ops whose results stay wrapped: the optimizer's run every step
+        dtype = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Fp8GatheredWeight)).compute_dtype \
+            if keeps else None
         args, kwargs = tree_map_only(Fp8GatheredWeight, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
-        if func not in _KEEPS_WRAPPER:
-            return out
-        return tree_map_only(torch.Tensor, lambda t: Fp8GatheredWeight(t, wrapper.compute_dtype), out)
+        return tree_map_only(torch.Tensor, lambda t: Fp8GatheredWeight(t, dtype), out) if keeps else out
 
     def __tensor_flatten__(self):
         return ["_tensor"], self.compute_dtype

@@ -49,6 +49,22 @@ def _weight_and_blocks(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
     return w.to(dtype), (None, None)
 
 
+def _dgrad_weight(ctx, weight: list[torch.Tensor], recipe: str, dtype: torch.dtype, real: bool):
+    """The dgrad's weight operand from what the forward saved (`weight`, `ctx.kept`, `ctx.gathered`): for the
+    `real` kernels W^T's blocks (the saved blocks transposed where kept or gathered, else W^T quantised), for the
+    emulation W^T dequantised in W's layout (the forward's dequantised W where kept, the gathered blocks
+    dequantised, else W^T quantised along N and transposed back)."""
+    if real:
+        if ctx.kept or ctx.gathered:
+            return WeightBlocks(*weight).transposed()
+        return quantize_weight_blocks(weight[0].transpose(-2, -1))
+    if ctx.gathered:
+        return dequantize_weight_blocks(WeightBlocks(*weight), dtype)
+    if ctx.kept:
+        return weight[0]
+    return qdq_weight(weight[0].transpose(-2, -1), recipe, dtype).transpose(-2, -1)
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     """y = x W^T with every GEMM input (forward, dgrad, wgrad) quantised to e4m3 by `recipe`, each GEMM on its
     kernel of `kernels` (default: all emulated); `weight_cast`: w is a copy cast for this call (`_keeps_weight`).
@@ -90,14 +106,10 @@ class _Fp8LinearFn(torch.autograd.Function):
         recipe, dtype, kernels = ctx.recipe, x_MK.dtype, ctx.kernels
         dy_MN = dy_MN.to(dtype)
         if kernels.dgrad != EMULATED:
-            blocks = WeightBlocks(*weight).transposed() if ctx.kept or ctx.gathered else \
-                quantize_weight_blocks(weight[0].t())
-            dx = blockwise_mm(dy_MN, blocks)
+            dx = blockwise_mm(dy_MN, _dgrad_weight(ctx, weight, recipe, dtype, real=True))
         else:
             dy_q = qdq_activation(dy_MN, recipe, dtype)
-            # W^T quantised along N, transposed back: for blockwise W's blocks, dequantised
-            w_dq = dequantize_weight_blocks(WeightBlocks(*weight), dtype) if ctx.gathered else weight[0] if \
-                ctx.kept else qdq_weight(weight[0].t(), recipe, dtype).t()
+            w_dq = _dgrad_weight(ctx, weight, recipe, dtype, real=False)
             dx = dy_q @ w_dq
             del dy_q, w_dq
         # weight gradient: contraction over the tokens, so both operands are tiled along them
@@ -216,15 +228,12 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
         elif kernel == PER_EXPERT:
             # W^T quantised on its own where not kept (the forward's quantisation of W, which the same ops here
             # would repeat, is what torch.compile's partitioner would then save for the backward instead)
-            w_blocks = WeightBlocks(*weight).transposed() if ctx.kept or ctx.gathered else \
-                quantize_weight_blocks(weight[0].transpose(-2, -1))
-            dx = blockwise_grouped(dy_PN, w_blocks, offs_E, ends_E, "dgrad")
+            dx = blockwise_grouped(dy_PN, _dgrad_weight(ctx, weight, recipe, dtype, real=True), offs_E, ends_E,
+                                   "dgrad")
             dw = blockwise_grouped(dy_PN, x_PK, offs_E, ends_E, "wgrad")
         else:
-            # dgrad contracts over N: W^T [E, K, N] is quantised along N (the same blocks as W for blockwise: the
-            # forward's dequantised W where kept, the gathered blocks dequantised)
-            w_dq = dequantize_weight_blocks(WeightBlocks(*weight), dtype) if ctx.gathered else weight[0] if \
-                ctx.kept else qdq_weight(weight[0].transpose(-2, -1), recipe, dtype).transpose(-2, -1)
+            # dgrad contracts over N: W^T [E, K, N] is quantised along N (the same blocks as W for blockwise)
+            w_dq = _dgrad_weight(ctx, weight, recipe, dtype, real=False)
             dx = torch._grouped_mm(qdq_activation(dy_PN, recipe, dtype), w_dq, offs=offs_E)
             del w_dq
             if recipe == "blockwise":

@@ -383,8 +383,8 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
     forward_flops += stage.head_flops if last else 0
     units = [b.unit_bytes for b in stage.blocks] + ([stage.head_unit_bytes] if last else []) + \
         ([stage.embedding_unit_bytes] if first else [])
-    unit_elements = [b.unit_bytes // pbytes if b.unit_elements is None else b.unit_elements for b in stage.blocks] + \
-        [u // pbytes for u in units[len(stage.blocks):]]
+    # the head and the embedding are never FP8: gathered in the param dtype
+    unit_elements = [b.unit_elements for b in stage.blocks] + [u // pbytes for u in units[len(stage.blocks):]]
     backend = get_comm_backend(par.expert_parallel_comm_backend)
     hidden = stage.hidden_bytes // (sh.T * a)
     comm_buffers = backend.planned_buffer_bytes(hidden * max(a, 2), dims.ep) if dims.ep_enabled else 0
