@@ -232,6 +232,41 @@ def torchrun_jobs(script: str, jobs: dict[str, list[str]], ranks: int, tmp: str,
     return results
 
 
+def print_row(row: dict, rows: list[dict]) -> None:
+    """Print one result row as a JSON line, with the machine it ran on, and append it to `rows`."""
+    row["machine"] = machine_info()
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+
+
+def help_or_worker(argv: list[str], doc: str, train: Callable[[list[str]], dict], timeout_s: int = 300) -> bool:
+    """The start every `torchrun_jobs` benchmark's CLI shares: with -h / --help prints `doc` and returns True (nothing
+    more to do); as `--worker JOBS OUT` (what `torchrun_jobs` starts) serves this rank's jobs through `train` and
+    ends the process; otherwise returns False."""
+    if "-h" in argv or "--help" in argv:
+        print(doc)
+        return True
+    if argv[:1] == ["--worker"]:
+        serve_jobs(argv[1], argv[2], train, timeout_s=timeout_s)
+    return False
+
+
+def jobs_benchmark_cli(argv: list[str], doc: str, train: Callable[[list[str]], dict], run_benchmark: Callable,
+                       default_steps: int = 4) -> None:
+    """The CLI of a benchmark that trains pairs of jobs through `torchrun_jobs`: -h / --help and the worker
+    (`help_or_worker`), else `run_benchmark(smoke=, steps=, extra=)` from `--smoke`, `--steps N` (default
+    `default_steps`) and the trainer overrides after `--`. The trainer's per-step log lines would bury the JSON rows:
+    its INFO lines are off, in the workers too."""
+    import logging
+
+    logging.disable(logging.INFO)
+    if help_or_worker(argv, doc, train):
+        return
+    own, extra = split_passthrough(argv)
+    steps = int(own[own.index("--steps") + 1]) if "--steps" in own else default_steps
+    run_benchmark(smoke="--smoke" in own, steps=steps, extra=extra)
+
+
 def serve_jobs(jobs_file: str, out_dir: str, train: Callable[[list[str]], dict], timeout_s: int) -> NoReturn:
     """The torchrun worker of `torchrun_jobs`: one process group, one torch thread per rank, every job in turn;
     `train(args)` returns this rank's result (JSON), written to OUT as `<job>.rank<r>.json`; the ranks start each

@@ -15,7 +15,6 @@ launch per layout, and prints one JSON object per layout:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.common import machine_info, serve_jobs, split_passthrough, torchrun_jobs  # noqa: E402
+from benchmarks.common import jobs_benchmark_cli, print_row, torchrun_jobs  # noqa: E402
 
 BASE = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"), "--memory.track", "exact",
         "--metrics.enable_tensorboard", "false", "--validation.enable", "false", "--checkpoint.enable", "false",
@@ -104,26 +103,14 @@ def run_benchmark(smoke: bool = False, steps: int = 4, extra: list[str] | None =
                     + (extra or []) for key, value in (("all_gather_on", "true"), ("all_gather_off", "false"))}
             runs = torchrun_jobs(__file__, args, ngpu, tmp, timeout_s=1200)
             row = _summary(name, runs, args, ngpu, ep)
-            row["machine"] = machine_info()
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            print_row(row, rows)
     return rows
 
 
 def main(argv: list[str]) -> None:
     """CLI (see the module docstring)."""
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        return
-    if argv[:1] == ["--worker"]:
-        serve_jobs(argv[1], argv[2], _train, timeout_s=300)
-    own, extra = split_passthrough(argv)
-    steps = int(own[own.index("--steps") + 1]) if "--steps" in own else 4
-    run_benchmark(smoke="--smoke" in own, steps=steps, extra=extra)
+    jobs_benchmark_cli(argv, __doc__, _train, run_benchmark)
 
 
 if __name__ == "__main__":
-    import logging
-
-    logging.disable(logging.INFO)  # the trainer's per-step log lines would bury the JSON rows
     main(sys.argv[1:])

@@ -26,7 +26,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.common import serve_jobs, torchrun_jobs  # noqa: E402
+from benchmarks.common import help_or_worker, torchrun_jobs  # noqa: E402
 
 GiB = 2 ** 30
 TOLERANCE = 0.15
@@ -164,11 +164,8 @@ def run_check(smoke: bool = False, steps: int = 3, recipe: str = "none", dtype: 
 
 def main(argv: list[str]) -> None:
     """CLI; exits 1 when a row is outside the tolerance."""
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
+    if help_or_worker(argv, __doc__, _train_row):
         return
-    if argv[:1] == ["--worker"]:
-        serve_jobs(argv[1], argv[2], _train_row, timeout_s=300)
     def value(flag: str, default: str) -> str:
         return argv[argv.index(flag) + 1] if flag in argv else default
 

@@ -36,6 +36,12 @@ class Shape:
     ep: int
     skew: float = 1.0  # rows the planned expert rank receives over the balanced mean (routing skew)
     cp: int = 1  # context-parallel degree: S is this rank's share of each sequence, S * cp the whole sequence
+    #: bytes per element of the routed experts' inputs on the wire when they run in FP8 with FP8 dispatch (the comm
+    #: backend's e4m3 and 1 x 128 tile scales); 0: dispatched in the compute dtype (`act`)
+    fp8_dispatch_bytes: float = 0.0
+    #: whether the comm backend's exchange op returns those rows dequantised (`TokenDispatcher.dequantizes_in_op`):
+    #: selective activation checkpointing then saves them in the compute dtype, not as the wire's bytes
+    fp8_dispatch_in_op: bool = False
 
     @property
     def T(self) -> int:
@@ -54,7 +60,8 @@ class BlockMemory:
     unit_bytes: int  # the block's parameters as FSDP gathers them (experts: this rank's EP share)
     unit_elements: int  # how many elements those are
     grad_bytes: int  # this rank's fp32 gradients of the block
-    a2a_bytes: int = 0  # bytes of one expert-parallel all-to-all of the block (the larger of sent and received)
+    a2a_bytes: int = 0  # bytes of the block's forward exchanges, dispatch and combine (the larger of sent and received)
+    a2a_grad_bytes: int = 0  # bytes of the backward's exchanges: both gradients, in the compute dtype
     fp8_gathered: int = 0  # elements of them FSDP gathers as FP8 blocks (1 byte and a 128 x 128 block's scale each)
     fp8_gathered_shard: int = 0  # this rank's shard of those: what each of its gathers quantises
 

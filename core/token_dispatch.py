@@ -77,15 +77,30 @@ class TokenDispatcher:
         the state already fits. Collective over the EP group when it creates something.
         """
 
+    #: > 0 once `quantize_wire` accepted: the dispatched rows travel as e4m3 with a scale per 1 x fp8_block tile
+    fp8_block: int = 0
+    #: whether the exchange op that receives FP8 rows (one in `ac_ops`) also dequantises them, so that selective
+    #: activation checkpointing saves them in the compute dtype; False: it saves what came over the wire
+    dequantizes_in_op: ClassVar[bool] = False
+
+    @classmethod
+    def can_quantize_wire(cls, block: int) -> bool:
+        """Whether this backend can send the dispatched rows as e4m3 with one fp32 scale per 1 x `block` tile (the
+        layout planner asks too, to count the bytes). Default: it cannot, and sends the compute dtype."""
+        return False
+
     def quantize_wire(self, block: int) -> bool:
-        """Send the dispatched rows as e4m3 with one fp32 scale per 1 x `block` tile, if this backend can; returns
-        whether it will. `dispatch` still returns the rows in the compute dtype (dequantised on arrival).
+        """Send the dispatched rows as e4m3 with one fp32 scale per 1 x `block` tile, if this backend can
+        (`can_quantize_wire`); returns whether it will. `dispatch` still returns the rows in the compute dtype
+        (dequantised on arrival), and the gradients travel back in it.
 
         Called by a model's plan when the routed experts quantise their inputs in the same 1 x `block` tiles
         (the blockwise FP8 recipe): the experts then see the same values, and only the bytes on the wire change.
-        Default: the backend cannot, and sends the compute dtype.
         """
-        return False
+        if not self.can_quantize_wire(block):
+            return False
+        self.fp8_block = block
+        return True
 
     @classmethod
     def metrics(cls) -> dict[str, float]:

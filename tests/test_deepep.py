@@ -12,6 +12,8 @@ tests/test_deepep.py jobs.json out.json` on ranks, `tests/dist_utils.launch_json
   * the same with the registry's release patched away, to show the checks catch a leak;
   * host syncs of a 2-layer EP stack per backend and AC mode: one per MoE layer in forward, none in backward
     (except where a recompute reruns a DeepEP dispatch), and two per layer under torch's plain full checkpoint;
+  * FP8 dispatch (blockwise experts) on both backends: e4m3 vs fp32 rows on the wire give the same outputs and
+    gradients, on a layer and through the trainer;
   * training parity: `expert_parallel_comm_backend = "deepep"` vs `"alltoall"` through the trainer, with
     validation (the no_grad path) every step and exact memory tracking, and the backend's metrics in the log;
   * a handle leak on one rank only (2 ranks: rank 1's registry never releases): rank 0's tensorboard shows the
@@ -21,6 +23,7 @@ tests/test_deepep.py jobs.json out.json` on ranks, `tests/dist_utils.launch_json
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -174,11 +177,21 @@ def _check_parity(parity: dict) -> None:
     for name, diff in parity["bf16_wire"].items():
         assert diff <= 2e-2, (name, diff)
     # FP8 on the wire (blockwise FP8 experts): the experts see the same values, so nothing changes at all
-    fp8 = parity["fp8_dispatch"]
-    assert fp8["max_abs_diff"] and all(d == 0.0 for d in fp8["max_abs_diff"].values()), fp8["max_abs_diff"]
-    # forward dispatch in e4m3; the backward's cached dispatch (the gradient of combine) stays fp32
-    assert fp8["wire"]["fp8_wire"] == {"accepted": True, "sent": ["torch.float8_e4m3fn", "torch.float32"]}, fp8
-    assert fp8["wire"]["fp32_wire"] == {"accepted": False, "sent": ["torch.float32", "torch.float32"]}, fp8
+    for fp8 in parity["fp8_dispatch"].values():
+        assert fp8["max_abs_diff"] and all(d == 0.0 for d in fp8["max_abs_diff"].values()), fp8["max_abs_diff"]
+    # DeepEP: forward dispatch in e4m3; the backward's cached dispatch (the gradient of combine) stays fp32
+    fp8 = parity["fp8_dispatch"]["deepep"]["wire"]
+    assert fp8["fp8_wire"] == {"accepted": True, "sent": ["torch.float8_e4m3fn", "torch.float32"]}, fp8
+    assert fp8["fp32_wire"] == {"accepted": False, "sent": ["torch.float32", "torch.float32"]}, fp8
+    # all-to-all: the dispatched rows [n, 256] go as their e4m3 bytes and two fp32 scales each instead of fp32;
+    # every other exchange (counts, routing weights, combine, and all of the backward) is the same
+    fp8 = parity["fp8_dispatch"]["alltoall"]["wire"]
+    assert fp8["fp8_wire"]["accepted"] and not fp8["fp32_wire"]["accepted"], fp8
+    plain, quantized = fp8["fp32_wire"]["sent"], fp8["fp8_wire"]["sent"]
+    i = next(i for i, (dtype, shape) in enumerate(plain) if dtype == "torch.float32" and shape[1:] == [256])
+    rows = plain[i][1][0]
+    want = plain[:i] + [["torch.uint8", [rows, 256]], ["torch.float32", [rows, 2]]] + plain[i + 1:]
+    assert quantized == want and len(plain) >= 7, (plain, quantized)
 
 
 def _check_paths(paths: dict) -> None:
@@ -249,8 +262,10 @@ def test_ranks(tmp_path, nproc, layout, ep):
              f"{layout}_deepep_full_ac": deepep_args + ["--memory.track", "exact",
                                                          "--activation_checkpoint.mode", "full"]}
     if nproc == 2:  # FP8 dispatch through the trainer: blockwise experts, rows on the wire in e4m3 or not
-        fp8 = deepep_args + ["--memory.track", "off", "--fp8.recipe", "blockwise", "--training.steps", "2"]
-        train |= {"fp8_wire": fp8, "fp32_wire": fp8 + ["--fp8.dispatch", "false"]}
+        fp8 = ["--memory.track", "off", "--fp8.recipe", "blockwise", "--training.steps", "2"]
+        for backend, args in (("deepep", deepep_args), ("alltoall", ["--parallelism.expert_parallel_degree", ep])):
+            train |= {f"fp8_wire_{backend}": args + fp8,
+                      f"fp32_wire_{backend}": args + fp8 + ["--fp8.dispatch", "false"]}
     jobs = {"battery": True, "train": train}
     if nproc == 2:  # rank 1's handles are never released: tracking off, the handle detector still watches them
         jobs["handle_leak"] = {"rank": 1, "args": deepep_args + [
@@ -268,13 +283,39 @@ def test_ranks(tmp_path, nproc, layout, ep):
                                    (f"{layout}_deepep_full_ac", f"{layout}_alltoall")])
     if nproc == 2:
         _check_handle_leak(out["handle_leak"])
-        fp8, fp32 = out["train"]["fp8_wire"], out["train"]["fp32_wire"]
-        assert len(fp8) == 2 and fp8 == fp32, (fp8, fp32)  # every logged scalar, bit for bit
-        # one line for the fp8_wire job (rank 0), every MoE layer sending e4m3; none for fp32_wire
+        for backend in ("deepep", "alltoall"):
+            fp8, fp32 = out["train"][f"fp8_wire_{backend}"], out["train"][f"fp32_wire_{backend}"]
+            assert len(fp8) == 2 and fp8 == fp32, (backend, fp8, fp32)  # every logged scalar, bit for bit
+        # one line per fp8_wire job (rank 0), every MoE layer sending e4m3; none for fp32_wire
         logs = out["fp8_dispatch_logs"]
-        match = len(logs) == 1 and re.fullmatch(r"fp8 dispatch: (\d+) of (\d+) MoE layers with FP8 experts send e4m3 "
-                                                r"rows \(DeepEPDispatcher\)", logs[0])
-        assert match and match[1] == match[2] and int(match[1]) > 0, logs
+        assert len(logs) == 2, logs
+        for line, name in zip(logs, ("DeepEPDispatcher", "AllToAllDispatcher")):
+            match = re.fullmatch(r"fp8 dispatch: (\d+) of (\d+) MoE layers with FP8 experts send e4m3 rows "
+                                 rf"\({name}\)", line)
+            assert match and match[1] == match[2] and int(match[1]) > 0, logs
+
+
+@pytest.mark.slow
+def test_fp8_dispatch_benchmark_smoke():
+    """The benchmark's smoke run (all-to-all backend, EP 2, blockwise experts, bf16, no AC): with FP8 dispatch the
+    forward's dispatched rows travel at 1 + 4/128 bytes per element instead of 2, every other exchange as before,
+    with the same losses and gradient norms bit for bit (in bf16 the backward sums each token's top-k gradient rows
+    as autograd's own indexing does); the bytes handed to the collectives are the planned ones plus the expert
+    counts and routing weights, and the plan's peak is within 5% of the measured one."""
+    from benchmarks.fp8_dispatch import run_benchmark
+    from quantization.fp8.accounting import FP8_DISPATCH_BYTES
+
+    [row] = run_benchmark(smoke=True)
+    assert row["same_losses_and_grad_norms"] is True, row
+    on, off = row["dispatch_on"], row["dispatch_off"]
+    assert row["planned_forward_exchange_ratio"] == pytest.approx((FP8_DISPATCH_BYTES + 2) / 4, abs=1e-4)
+    # forward (dispatch, combine) and backward (two gradients): 7 + 1/32 of 8 bytes per row element, where the rank
+    # receives as many rows as it sends (routing moves the ratio a little: the measured rank may receive more)
+    assert row["sent_ratio"] == pytest.approx((FP8_DISPATCH_BYTES + 6) / 8, abs=0.015), row
+    for run in (on, off):
+        # the plan's rows are balanced (each exchange the larger of sent and received); the routing of 2 steps is not
+        assert 0.9 < run["sent_MiB_per_rank_per_step"] / run["planned_exchange_MiB"] < 1.1, row
+        assert abs(run["predicted_peak_MiB"] / run["peak_MiB"] - 1) <= 0.05, row
 
 
 # ----------------------------------------------------------------------------------------------- worker side
@@ -359,13 +400,27 @@ def _parity(mesh, rank: int) -> dict:
             got = outputs["deepep"][name]
             diffs[name] = ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
         result[label] = diffs
-    result["fp8_dispatch"] = _fp8_dispatch_parity(mesh, rank)
+    result["fp8_dispatch"] = {backend: _fp8_dispatch_parity(mesh, rank, backend) for backend in ("deepep", "alltoall")}
     return result
 
 
-def _fp8_dispatch_parity(mesh, rank: int) -> dict:
-    """One MoE layer with blockwise FP8 experts on DeepEP, rows sent as e4m3 vs in fp32: max |difference| of the
-    output and every gradient (the experts quantise the same 1 x 128 tiles, so 0), and what went on the wire."""
+class _ExchangeSpy(TorchDispatchMode):
+    """Records (dtype, shape) of the rows every functional all_to_all_single sends."""
+
+    def __init__(self, sent: list):
+        super().__init__()
+        self.sent = sent
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            self.sent.append([str(args[0].dtype), list(args[0].shape)])
+        return func(*args, **(kwargs or {}))
+
+
+def _fp8_dispatch_parity(mesh, rank: int, backend: str) -> dict:
+    """One MoE layer with blockwise FP8 experts on `backend`, rows sent as e4m3 vs in fp32: max |difference| of the
+    output and every gradient (the experts quantise the same 1 x 128 tiles, so 0), and what went on the wire: the
+    dtypes DeepEP's dispatch got, or every all-to-all's (dtype, shape), forward and backward."""
     from core.quantization import QUANTIZED_MM
     from models.deepseek_v3.moe import MoE
     from parallelisms.expert_parallel import apply_expert_parallel
@@ -380,19 +435,21 @@ def _fp8_dispatch_parity(mesh, rank: int) -> dict:
     for label in ("fp32_wire", "fp8_wire"):
         moe = copy.deepcopy(reference)
         setattr(moe.experts, QUANTIZED_MM, Fp8GroupedMM("blockwise"))
-        apply_expert_parallel([moe], mesh, "deepep", args.dim, torch.float32)
-        wire[label] = {"accepted": moe.dispatcher.quantize_wire(128) if label == "fp8_wire" else False, "sent": []}
+        apply_expert_parallel([moe], mesh, backend, args.dim, torch.float32)
+        sent = []
+        wire[label] = {"accepted": moe.dispatcher.quantize_wire(128) if label == "fp8_wire" else False, "sent": sent}
 
-        def spy(self, x, *a, _sent=wire[label]["sent"], **kw):
+        def spy(self, x, *a, _sent=sent, **kw):
             _sent.append(str(x[0].dtype) if isinstance(x, tuple) else str(x.dtype))
             return original(self, x, *a, **kw)
 
         deepep_cpu.Buffer.dispatch = spy
         try:
-            gen = torch.Generator().manual_seed(100 + rank)
-            x = torch.randn(2, 16, args.dim, generator=gen).requires_grad_(True)
-            out = moe(x)
-            (out * torch.randn(out.shape, generator=gen)).sum().backward()
+            with _ExchangeSpy(sent) if backend == "alltoall" else contextlib.nullcontext():
+                gen = torch.Generator().manual_seed(100 + rank)
+                x = torch.randn(2, 16, args.dim, generator=gen).requires_grad_(True)
+                out = moe(x)
+                (out * torch.randn(out.shape, generator=gen)).sum().backward()
         finally:
             deepep_cpu.Buffer.dispatch = original
         outputs[label] = {"out": out.detach(), "x.grad": x.grad,

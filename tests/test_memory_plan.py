@@ -207,3 +207,35 @@ def test_full_ac_keeps_the_routing_a_deepep_recompute_reuses():
     assert ranks["none", "deepep"]["activation_bytes"] == none["activation_bytes"]
     assert ranks["full", "deepep"]["activation_bytes"] - full["activation_bytes"] == moe_layers * per_layer
     assert full["activation_bytes"] < none["activation_bytes"]
+
+
+def test_fp8_dispatch_is_planned_at_the_wire_bytes():
+    """Blockwise FP8 experts over EP 2 with `fp8.dispatch`: the forward's dispatch at 1 + 4/128 bytes per element
+    (both built-in backends send e4m3 rows), the combine and the backward in the compute dtype. Under selective AC
+    (the exchanges saved) the all-to-all backend keeps the received e4m3 rows and their scales; DeepEP, whose op
+    dequantises them, keeps them in the compute dtype."""
+    from models.deepseek_v3.args import FLAVORS
+    from models.deepseek_v3.memory_plan import received_rows
+    from core.memory_types import Shape
+    from quantization.fp8.accounting import FP8_DISPATCH_BYTES
+
+    base = ["--job.config_file", os.path.join(CONFIGS, "debug_model.toml"), "--training.local_batch_size", "4",
+            "--training.seq_len", "128", "--training.dtype", "bfloat16", "--parallelism.expert_parallel_degree", "2",
+            "--fp8.recipe", "blockwise", "--activation_checkpoint.mode", "selective"]
+    ranks = {(backend, dispatch): plan(load_config(base + ["--parallelism.expert_parallel_comm_backend", backend,
+                                                            "--fp8.dispatch", dispatch]), 2)["ranks"][0]
+             for backend in ("alltoall", "deepep") for dispatch in ("true", "false")}
+    args = FLAVORS["debugmodel"]
+    moe_layers = args.n_layers - args.n_dense_layers
+    received = received_rows(args, Shape(4, 128, 2, "cpu", 2)) * args.dim  # elements each MoE block receives
+    for backend in ("alltoall", "deepep"):
+        on, off = ranks[backend, "true"], ranks[backend, "false"]
+        assert on["work"]["a2a_grad_bytes"] == off["work"]["a2a_grad_bytes"] > 0
+        # forward: dispatch and combine, 2 bytes each without; the dispatch at the wire's bytes with
+        assert on["work"]["a2a_bytes"] == pytest.approx(off["work"]["a2a_bytes"] * (FP8_DISPATCH_BYTES + 2) / 4,
+                                                        rel=1e-6)
+        saved = off["activation_bytes"] - on["activation_bytes"]
+        want = moe_layers * (2 * received - math.ceil(FP8_DISPATCH_BYTES * received)) if backend == "alltoall" else 0
+        assert saved == want, (backend, saved, want)
+    # without FP8 dispatch the plan does not depend on the backend's wire
+    assert ranks["alltoall", "false"]["work"]["a2a_bytes"] == ranks["deepep", "false"]["work"]["a2a_bytes"]

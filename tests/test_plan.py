@@ -125,8 +125,9 @@ def test_step_time_parts_by_hand():
                   gpus_per_node=4, collective_efficiency=1.0, exchange_efficiency=0.5)
     dims = ParallelDims(dp_replicate=2, dp_shard=4, ep=2, pp=2, world_size=16)
     work = {"microbatches": 4, "forward_flops": 1e12, "recompute_flops": 1e12, "stages_per_rank": 1,
-            "fsdp_unit_bytes": [2e9, 1e9], "fsdp_unit_elements": [1e9, 5e8], "grad_bytes": 1e9, "a2a_bytes": 1e8,
-            "a2a_recomputed_bytes": 1e8, "hidden_bytes": 1e7, "param_count": 1e9, "optimizer_bytes_per_param": 28}
+            "fsdp_unit_bytes": [2e9, 1e9], "fsdp_unit_elements": [1e9, 5e8], "grad_bytes": 1e9, "a2a_bytes": 6e7,
+            "a2a_grad_bytes": 1e8, "a2a_recomputed_bytes": 6e7, "hidden_bytes": 1e7, "param_count": 1e9,
+            "optimizer_bytes_per_param": 28}
     t = step_time(dims, "1F1B", False, 1, work, 0.0, "alltoall", hw)
     compute = 4 * (3e12 + 1e12) / 50e12
     assert t["compute_s"] == pytest.approx(compute)
@@ -134,8 +135,8 @@ def test_step_time_parts_by_hand():
     # shard group of 4 within a node of 4: NVLink; one gather per microbatch (no resharding) + fp32 gradients
     fsdp = 4 * (3e9 + 3e9 / 2 * 4) * 3 / 4 / 100e9
     assert t["fsdp_s"] == pytest.approx(fsdp)
-    # ep 2 inside the node: forward, backward and the replay, half of it leaves the rank
-    assert t["ep_s"] == pytest.approx(4 * (2e8 + 1e8) / 2 / 100e9 / 0.5)
+    # ep 2 inside the node: forward (an FP8 dispatch's), backward and the replay, half of it leaves the rank
+    assert t["ep_s"] == pytest.approx(4 * (6e7 + 1e8 + 6e7) / 2 / 100e9 / 0.5)
     # pipeline neighbours 8 ranks apart: over the network
     assert t["pp_s"] == pytest.approx(4 * 2 * 1e7 / 10e9)
     # replicas 4 ranks apart, 2 of them: across nodes
@@ -151,7 +152,7 @@ def test_step_time_counts_the_context_parallel_exchanges_and_shards_over_dp_shar
     dims = ParallelDims(dp_replicate=1, dp_shard=1, ep=1, pp=1, world_size=4, cp=4)
     work = {"microbatches": 1, "forward_flops": 1e12, "recompute_flops": 0.0, "stages_per_rank": 1,
             "fsdp_unit_bytes": [1e9], "fsdp_unit_elements": [5e8], "grad_bytes": 1e9, "a2a_bytes": 0,
-            "a2a_recomputed_bytes": 0, "hidden_bytes": 1e7, "param_count": 1e9, "cp_bytes": 1e8,
+            "a2a_grad_bytes": 0, "a2a_recomputed_bytes": 0, "hidden_bytes": 1e7, "param_count": 1e9, "cp_bytes": 1e8,
             "cp_recomputed_bytes": 5e7, "optimizer_bytes_per_param": 28}
     t = step_time(dims, None, True, 2, work, 0.0, "alltoall", hw)
     # two passes: the all-gather, its reduce-scatter and the full-AC replay, 3/4 of the bytes from other ranks
@@ -311,7 +312,7 @@ def test_step_time_counts_fp8_quantisation_by_hand():
                   elementwise_efficiency=0.5)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, ep=1, pp=1, world_size=1)
     work = {"microbatches": 2, "forward_flops": 1e12, "recompute_flops": 0, "stages_per_rank": 1,
-            "fsdp_unit_bytes": [], "fsdp_unit_elements": [], "grad_bytes": 1e9, "a2a_bytes": 0,
+            "fsdp_unit_bytes": [], "fsdp_unit_elements": [], "grad_bytes": 1e9, "a2a_bytes": 0, "a2a_grad_bytes": 0,
             "a2a_recomputed_bytes": 0, "hidden_bytes": 0, "param_count": 1e9, "optimizer_bytes_per_param": 28}
     bf16 = step_time(dims, None, True, 1, work, 0.0, "alltoall", hw)
     fp8 = step_time(dims, None, True, 1, work, 0.5, "alltoall", hw, Fp8Operands(1e-3, 2e8))

@@ -73,10 +73,12 @@ def received_rows(args: ModelArgs, sh: Shape) -> int:
     return min(math.ceil(N * sh.skew), most)
 
 
-def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False, expert_align: int = 1) -> list[Item]:
+def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False, expert_align: int = 1,
+                wire_bytes: float = 0.0) -> list[Item]:
     """Every tensor of interest one transformer block creates in forward, for one microbatch, with the forward FLOPs
     of the matmuls and of attention; the routed experts' rows are those this rank receives (`received_rows`), padded
-    to multiples of `expert_align` (`moe.padded_rows`: a fixed-size layout)."""
+    to multiples of `expert_align` (`moe.padded_rows`: a fixed-size layout), dispatched in `wire_bytes` per element
+    (0: the compute dtype's)."""
     T, a, D, H = sh.T, sh.act, args.dim, args.n_heads
     sdpa = sdpa_path(sh)
     items = [Item("input", T * D * a, True, "input")]
@@ -153,9 +155,12 @@ def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False, e
     if P > R:
         items.append(Item("experts.padded_row", R * _I64, True, "other"))  # where each row went, for the way back
     if sh.ep > 1:
-        # all-to-all outputs (tokens there and back) and the regrouping indices
-        items += [Item("ep.recv", R * D * a, False, "all_to_all"),
-                  Item("ep.back", N * D * a, False, "all_to_all"),
+        # all-to-all outputs (tokens there and back) and the regrouping indices; FP8 dispatch receives e4m3 rows
+        # and their scales, dequantised on arrival (inside the exchange op, or after it)
+        items += [Item("ep.recv", math.ceil(R * D * wire_bytes), False, "all_to_all"),
+                  Item("ep.recv_dequantised", R * D * a, False, "other")] if wire_bytes and not sh.fp8_dispatch_in_op \
+            else [Item("ep.recv", R * D * a, False, "all_to_all")]
+        items += [Item("ep.back", N * D * a, False, "all_to_all"),
                   Item("ep.regroup", 2 * R * _I64, True, "other"),
                   # the top-k ids and weights of each received token (at most R tokens, at most T per EP rank)
                   Item("ep.routing", min(R, sh.ep * T) * K * (_I64 + _F32), False, "routing")]
@@ -282,7 +287,8 @@ def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, params: list[
     moe = layer >= args.n_dense_layers
     fp8_experts = moe and selection.recipe != "none" and selection.selects("moe.experts")
     align = expert_row_align(sh, fp8_experts)
-    items = block_items(args, moe, sh, aux_loss, align)
+    wire = sh.fp8_dispatch_bytes if fp8_experts else 0.0
+    items = block_items(args, moe, sh, aux_loss, align, wire)
     ffn = sum(it.nbytes for it in items if it.saved and it.name.startswith(_FFN_PREFIXES))
     # the attention backward holds the score gradient and the softmax gradient at once (math path); with context
     # parallelism those of its longest chunk (L rows against 2 cp L keys), and the gradients of the whole
@@ -299,11 +305,13 @@ def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, params: list[
     hidden = args.moe_inter_dim * max(args.n_shared_experts, 1) if moe else args.inter_dim
     received = received_rows(args, sh) if moe else 0
     ffn_ws = 3 * max(received * args.moe_inter_dim, T * hidden) * a
-    a2a = 0
+    a2a = a2a_grad = 0
     if moe and sh.ep > 1:
         sent = T * args.n_activated_experts
         ffn_ws += (sent + received) * args.dim * a  # all-to-all buffers of the gradients, there and back
-        a2a = 2 * max(sent, received) * args.dim * a  # dispatch and combine
+        rows = max(sent, received) * args.dim
+        a2a = math.ceil(rows * ((wire or a) + a))  # dispatch (FP8 or the compute dtype) and combine
+        a2a_grad = 2 * rows * a
     gathered = fp8_gathered_params(args, moe, sh, params, shard, selection) if fp8_gather else frozenset()
     # parameters gathered (or held) in more bytes than the compute dtype's: the GEMMs get cast copies
     fp8_attn, fp8_ffn = fp8_backward_extra(args, moe, sh, selection, align, weights_cast=gather_bytes > a,
@@ -317,7 +325,8 @@ def _block(args: ModelArgs, layer: int, sh: Shape, aux_loss: bool, params: list[
     fp8_numel = sum(numel[n] for n in gathered)
     unit = (sum(numel.values()) - fp8_numel) * gather_bytes + math.ceil(fp8_numel * FP8_GATHER_BYTES)
     return BlockMemory(layer, items, ffn, attn_ws, ffn_ws, unit_bytes=unit, unit_elements=sum(numel.values()),
-                       grad_bytes=sum(local.values()) * 4, a2a_bytes=a2a, fp8_gathered=fp8_numel,
+                       grad_bytes=sum(local.values()) * 4, a2a_bytes=a2a, a2a_grad_bytes=a2a_grad,
+                       fp8_gathered=fp8_numel,
                        fp8_gathered_shard=sum(local[n] for n in gathered))
 
 

@@ -34,7 +34,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from core.model_spec import ParallelizeJob
 from core.names import ModuleDefaults
-from core.quantization import FP8_TILE, QUANTIZED_MM
+from core.quantization import QUANTIZED_MM
 from parallelisms.activation_checkpoint.policy import ScopeRule, apply_ac
 from parallelisms.compile import CompileUnit, apply_compile, compiles_model
 from parallelisms.context_parallel import ContextParallel
@@ -124,10 +124,10 @@ def attach_context_parallel(model: nn.Module, context_parallel) -> None:
 def quantize_dispatch(model: nn.Module, fp8_cfg) -> int:
     """With the blockwise recipe and `fp8.dispatch`, ask the dispatcher of every MoE layer whose routed experts run
     in FP8 to send their inputs as e4m3 in the experts' own 1 x 128 tiles; returns how many layers will."""
-    if fp8_cfg.recipe != "blockwise" or not fp8_cfg.dispatch:
+    if not fp8_cfg.dispatch_tile:
         return 0
     fp8_layers = [moe for moe in model.moe_layers() if getattr(moe.experts, QUANTIZED_MM, None) is not None]
-    quantized = sum(moe.dispatcher.quantize_wire(FP8_TILE) for moe in fp8_layers)
+    quantized = sum(moe.dispatcher.quantize_wire(fp8_cfg.dispatch_tile) for moe in fp8_layers)
     if fp8_layers:
         backend = type(fp8_layers[0].dispatcher).__name__
         logger.info("fp8 dispatch: %d of %d MoE layers with FP8 experts send e4m3 rows (%s)%s", quantized,

@@ -431,7 +431,6 @@ class DeepEPDispatcher(TokenDispatcher):
         self.num_local_experts = num_experts // self.ep
         self.group_key = group.group_name
         self._standin = _uses_standin(group)
-        self.fp8_block = 0  # > 0: rows travel as e4m3 with a scale per 1 x fp8_block tile (quantize_wire)
 
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """dtype the token rows travel in for a model computing in `dtype`."""
@@ -439,12 +438,12 @@ class DeepEPDispatcher(TokenDispatcher):
             return dtype
         return torch.bfloat16
 
-    def quantize_wire(self, block: int) -> bool:
+    dequantizes_in_op = True  # `deepep::dispatch` returns the rows dequantised
+
+    @classmethod
+    def can_quantize_wire(cls, block: int) -> bool:
         """FP8 dispatch with one scale per 1 x `block` tile: DeepEP's kernels take 1 x 128 tiles only."""
-        if block != deepep_cpu.FP8_BLOCK:
-            return False
-        self.fp8_block = block
-        return True
+        return block == deepep_cpu.FP8_BLOCK
 
     def setup(self, hidden_dim: int, dtype: torch.dtype) -> None:
         """Create the DeepEP buffer of the EP group now (collective over the group), sized for rows of `hidden_dim`

@@ -11,11 +11,15 @@ from core.names import denotes
 from quantization.fp8.config import Fp8Selection
 from quantization.fp8.quantize import BLOCK, qdq_work_bytes
 
-__all__ = ["FP8_GATHER_BYTES", "fp8_flops_per_token", "fp8_operand_elements", "gemm_backward_extra_bytes"]
+__all__ = ["FP8_DISPATCH_BYTES", "FP8_GATHER_BYTES", "fp8_flops_per_token", "fp8_operand_elements",
+           "gemm_backward_extra_bytes"]
 
 #: bytes per element of a weight that FSDP gathers as FP8 blocks (`fsdp_all_gather`): e4m3, and one fp32 scale per
 #: 128 x 128 block
 FP8_GATHER_BYTES = 1 + 4 / BLOCK ** 2
+#: bytes per element of a row that FP8 dispatch sends (`TokenDispatcher.quantize_wire`): e4m3, and one fp32 scale
+#: per 1 x 128 tile
+FP8_DISPATCH_BYTES = 1 + 4 / BLOCK
 
 
 def gemm_backward_extra_bytes(recipe: str, rows: int, in_features: int, out_features: int, act_bytes: int,

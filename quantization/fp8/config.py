@@ -48,14 +48,20 @@ class Fp8Section:
     everywhere (quantise, dequantise, multiply in the compute dtype: the reference). The log says which run."""
     dispatch: bool = True
     """With the blockwise recipe and FP8 routed experts, expert parallelism sends the experts' inputs as e4m3 with
-    one scale per 1x128 tile, as DeepSeek-V3 does, where the comm backend supports it (the log says whether it
-    does; combine and the backward stay in the compute dtype): about half the bytes of bf16, and the experts see
+    one scale per 1x128 tile, as DeepSeek-V3 does, where the comm backend supports it (both built-in backends do;
+    the log says whether it does; combine and the backward stay in the compute dtype): about half the bytes of bf16, and the experts see
     the same values."""
     all_gather: bool = True
     """With the blockwise recipe and FSDP, each rank quantises its shard of the FP8 modules' weights and FSDP
     gathers the e4m3 blocks (1 byte per element and a scale per 128x128 block, not the param dtype's 2 or 4), which
     the GEMMs take as they are: the same values as gathering first. Only weights whose shard holds whole blocks; the
     log says how many. false = gather in the param dtype and quantise on every rank."""
+
+    @property
+    def dispatch_tile(self) -> int:
+        """Width of the 1 x n tiles FP8 dispatch quantises the routed experts' inputs in (the blockwise recipe's
+        activation tiles) when `dispatch` applies, else 0."""
+        return BLOCK if self.recipe == "blockwise" and self.dispatch else 0
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from trainer.device import device_type
 from trainer.job_config import load_command_config, model_job, validate_job
 from core.loss import chunk_rows
 from core.memory_types import Item, Shape
+from quantization.fp8.accounting import FP8_DISPATCH_BYTES
 from trainer.optimizer import STATE_DTYPES
 from trainer.registry import get_model_spec
 from trainer.stochastic_rounding import CHUNK_ELEMENTS, TRANSIENT_BYTES_PER_ELEMENT
@@ -228,7 +229,11 @@ def _rank_stage(cfg, dims, pp_rank: int, device: str, skew: float, args):
     names, stages = _stage_names(spec, args, dims, pp_rank, par) if dims.pp_enabled else (None, ["all"])
     B = par.pipeline_parallel_microbatch_size if dims.pp_enabled else cfg.training.local_batch_size
     # with context parallelism a rank holds seq_len / cp tokens of each sequence
-    sh = Shape(B, cfg.training.seq_len // dims.cp, a, device, dims.ep, skew if dims.ep > 1 else 1.0, dims.cp)
+    # FP8 dispatch where the config asks for it and the comm backend can (`quantize_dispatch` at run time)
+    tile, backend = cfg.fp8.dispatch_tile, get_comm_backend(par.expert_parallel_comm_backend)
+    wire = FP8_DISPATCH_BYTES if dims.ep > 1 and tile and backend.can_quantize_wire(tile) else 0.0
+    sh = Shape(B, cfg.training.seq_len // dims.cp, a, device, dims.ep, skew if dims.ep > 1 else 1.0, dims.cp, wire,
+               backend.dequantizes_in_op)
     shard = dims.fsdp_shard if dims.sharded else 1
     pbytes = 2 if bf16 and dims.sharded else 4  # FSDP gathers in param_dtype
     return _stage_memory(spec, args, cfg, sh, names, pbytes, shard), sh, stages, pbytes
@@ -398,6 +403,7 @@ def plan_rank(cfg, dims, pp_rank: int = 0, device: str = "cpu", skew: float = 1.
     work = {"forward_flops": forward_flops, "recompute_flops": recompute, "recompute_memory_bytes": recompute_bytes,
             "microbatches": n_micro, "stages_per_rank": len(stages),
             "a2a_bytes": sum(b.a2a_bytes for b in stage.blocks),
+            "a2a_grad_bytes": sum(b.a2a_grad_bytes for b in stage.blocks),
             "a2a_recomputed_bytes": sum(b.a2a_bytes for b in stage.blocks if again(b.layer, _EXCHANGE)),
             "cp_bytes": sum(it.nbytes for _, it in cp_items),
             "cp_recomputed_bytes": sum(it.nbytes for layer, it in cp_items if again(layer, it.op)),

@@ -17,7 +17,8 @@ predicts S). docs/memory.md, "Layout planner", writes the model down:
     fsdp     = all-gathers (forward, and backward again when resharding) + fp32 reduce-scatters of every unit, per
                microbatch, (s-1)/s of the bytes over NVLink or the network
     ep       = dispatch + combine token exchanges, forward, backward and any recompute replay, per MoE block and
-               microbatch, (ep-1)/ep of the bytes; the part leaving the node over the network
+               microbatch, (ep-1)/ep of the bytes; the part leaving the node over the network; with FP8 dispatch
+               the forward's dispatch (and its replays) at 1 + 4/128 bytes per element
     cp       = all-gather of the compressed keys and values (forward, full-AC recompute) and reduce-scatter of their
                gradients (backward), per block and microbatch, (cp-1)/cp of the whole sequences' bytes
     pp       = the hidden state and its gradient, per microbatch and stage boundary
@@ -269,7 +270,8 @@ def step_time(dims, schedule: str | None, reshard: bool, accumulation: int, work
 
     ep = ep_again = 0.0
     if dims.ep > 1:
-        ep = _exchange_s(passes * (2 * work["a2a_bytes"] + work["a2a_recomputed_bytes"]), dims.ep, backend, hw)
+        ep = _exchange_s(passes * (work["a2a_bytes"] + work["a2a_grad_bytes"] + work["a2a_recomputed_bytes"]),
+                         dims.ep, backend, hw)
         ep_again = _exchange_s(passes * work["a2a_recomputed_bytes"], dims.ep, backend, hw)
 
     cp = cp_again = 0.0
