@@ -2,12 +2,13 @@
 
 `.venv/bin/python benchmarks/fp8_dispatch.py [--smoke] [--steps N] [-- trainer overrides]` trains the debug model
 with the blockwise recipe in bf16 on 2 ranks with EP 2, for each comm backend (all-to-all, and DeepEP through its
-CPU stand-in) and each activation-checkpointing mode (none, selective with the exchanges saved), with
+CPU stand-in) and each activation-checkpointing mode (none, selective with the exchanges saved, full), with
 `fp8.dispatch` true and false, all in one torchrun launch, and prints one JSON object per backend and AC mode:
 - the bytes this rank hands to all-to-alls per step (counted at the collectives: the functional all_to_all_single
   the all-to-all backend runs, forward and backward, and the stand-in's `dist.all_to_all_single`), with and
   without, and the step-time model's planned bytes of the token rows (forward: dispatch and combine; and with the
-  backward's two gradients; the measured bytes also hold the expert counts and routing weights);
+  backward's two gradients and full AC's replay of the forward's; the measured bytes also hold the expert counts
+  and routing weights);
 - each run's peak tensor memory (exact tracking, the larger rank) and the memory plan's prediction;
 - whether the two runs' losses and gradient norms are equal (the experts quantise the same 1 x 128 tiles).
 Tokens/s on CPU measures gloo and the emulation, not a GPU's kernels or links: not reported. `--smoke` runs the
@@ -32,7 +33,7 @@ BASE = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.to
         "--training.local_batch_size", "2", "--training.seq_len", "256", "--training.deterministic", "true",
         "--parallelism.data_parallel_shard_degree", str(NGPU), "--parallelism.expert_parallel_degree", str(NGPU)]
 BACKENDS = ("alltoall", "deepep")
-AC_MODES = ("none", "selective")
+AC_MODES = ("none", "selective", "full")
 
 
 def _train(args: list[str]) -> dict:
@@ -78,7 +79,8 @@ def _plan(args: list[str]) -> dict:
     work = rank["work"]
     return {"predicted_peak_MiB": round(rank["predicted_peak_bytes"] / 2 ** 20, 2),
             "planned_forward_exchange_MiB": round(work["a2a_bytes"] / 2 ** 20, 3),
-            "planned_exchange_MiB": round((work["a2a_bytes"] + work["a2a_grad_bytes"]) / 2 ** 20, 3)}
+            "planned_exchange_MiB": round((work["a2a_bytes"] + work["a2a_grad_bytes"] + work["a2a_recomputed_bytes"])
+                                          / 2 ** 20, 3)}
 
 
 def _row(backend: str, ac: str, runs: dict[str, list[dict]], args: dict[str, list[str]]) -> dict:

@@ -15,6 +15,10 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import torch
 from torch import nn
 
+#: the dtype e4m3 token rows travel in through torch.distributed's all-to-all (FP8 dispatch): gloo has no float8
+#: type. Activation checkpointing tells them from the integer split sizes by it (`_routing_metadata_policy`).
+FP8_WIRE_DTYPE = torch.uint8
+
 
 class Dispatched(NamedTuple):
     """What the experts of this rank receive.
@@ -79,6 +83,9 @@ class TokenDispatcher:
 
     #: > 0 once `quantize_wire` accepted: the dispatched rows travel as e4m3 with a scale per 1 x fp8_block tile
     fp8_block: int = 0
+    #: the dtype the experts cast their inputs to before they quantise them, where the model's plan knows it (bf16
+    #: for experts compiled or on CUDA); None: autocast's where autocast is on, else the rows' own (`fp8_source_dtype`)
+    fp8_experts_dtype: torch.dtype | None = None
     #: whether the exchange op that receives FP8 rows (one in `ac_ops`) also dequantises them, so that selective
     #: activation checkpointing saves them in the compute dtype; False: it saves what came over the wire
     dequantizes_in_op: ClassVar[bool] = False
@@ -89,18 +96,28 @@ class TokenDispatcher:
         layout planner asks too, to count the bytes). Default: it cannot, and sends the compute dtype."""
         return False
 
-    def quantize_wire(self, block: int) -> bool:
+    def quantize_wire(self, block: int, experts_dtype: torch.dtype | None = None) -> bool:
         """Send the dispatched rows as e4m3 with one fp32 scale per 1 x `block` tile, if this backend can
-        (`can_quantize_wire`); returns whether it will. `dispatch` still returns the rows in the compute dtype
+        (`can_quantize_wire`); returns whether it will. `dispatch` still returns the rows in their own dtype
         (dequantised on arrival), and the gradients travel back in it.
 
         Called by a model's plan when the routed experts quantise their inputs in the same 1 x `block` tiles
-        (the blockwise FP8 recipe): the experts then see the same values, and only the bytes on the wire change.
+        (the blockwise FP8 recipe), from `experts_dtype` where the plan knows it (`fp8_experts_dtype`): the
+        experts then see the same values, and only the bytes on the wire change.
         """
         if not self.can_quantize_wire(block):
             return False
-        self.fp8_block = block
+        self.fp8_block, self.fp8_experts_dtype = block, experts_dtype
         return True
+
+    def fp8_source_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype FP8 dispatch rounds rows `x` to before quantising them: the one the experts quantise from (an
+        fp32 row rounded to bf16 first may quantise to other e4m3 values than the fp32 row itself)."""
+        if self.fp8_experts_dtype is not None:
+            return self.fp8_experts_dtype
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return x.dtype
 
     @classmethod
     def metrics(cls) -> dict[str, float]:

@@ -277,6 +277,30 @@ def test_d2h_copy_is_any_copy_into_host_memory():
     assert op_table().kind(torch.ops.aten._local_scalar_dense.default, (on_device,), {}) == "d2h_copy"
 
 
+def test_full_ac_of_an_ep_block_saves_split_sizes_and_recomputes_token_rows_fp8_ones_too():
+    """The routing-metadata policy of full AC keeps the integer all-to-alls (the split sizes) and the host copies;
+    token rows are recomputed, also e4m3 rows, which FP8 dispatch sends as `FP8_WIRE_DTYPE` bytes (before that
+    was told apart, full AC kept every MoE block's received e4m3 rows: R x D bytes the plan did not count)."""
+    from core.token_dispatch import FP8_WIRE_DTYPE
+    from parallelisms.activation_checkpoint.policy import _routing_metadata_policy
+
+    a2a = torch.ops._c10d_functional.all_to_all_single.default
+
+    def policy(op, *args, **kwargs):
+        return _routing_metadata_policy(op_table(), None, op, *args, **kwargs)
+
+    def exchange(t):
+        return policy(a2a, t, [1, 1], [1, 1], "ep")
+
+    assert exchange(torch.zeros(2, 4, dtype=torch.int64)) == CheckpointPolicy.MUST_SAVE
+    assert exchange(torch.zeros(2, 4, dtype=FP8_WIRE_DTYPE)) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert exchange(torch.zeros(2, 4)) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert exchange(torch.zeros(2, 4, dtype=torch.bfloat16)) == CheckpointPolicy.PREFER_RECOMPUTE
+    local_scalar = torch.ops.aten._local_scalar_dense.default
+    assert policy(local_scalar, torch.empty((), device="meta")) == CheckpointPolicy.MUST_SAVE
+    assert policy(torch.ops.aten.mm.default, torch.zeros(2, 2), torch.zeros(2, 2)) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def test_unknown_names_are_rejected():
     with pytest.raises(ValueError, match="unknown op name 'matmul'.*allowed: default, mm, grouped_mm"):
         checkpoint_model(build(ac()), ac(mode="selective", save_ops=["matmul"]))

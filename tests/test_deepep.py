@@ -176,16 +176,20 @@ def _check_parity(parity: dict) -> None:
     # bf16 on the wire (what the real kernels carry) vs fp32 all-to-all: bf16 rounding only
     for name, diff in parity["bf16_wire"].items():
         assert diff <= 2e-2, (name, diff)
-    # FP8 on the wire (blockwise FP8 experts): the experts see the same values, so nothing changes at all
-    for fp8 in parity["fp8_dispatch"].values():
-        assert fp8["max_abs_diff"] and all(d == 0.0 for d in fp8["max_abs_diff"].values()), fp8["max_abs_diff"]
+    # FP8 on the wire (blockwise FP8 experts): the experts see the same values, so nothing changes at all, also
+    # where they compute in bf16 from fp32 rows (autocast) and where a rank receives no row (skewed)
+    for name, fp8 in parity["fp8_dispatch"].items():
+        assert fp8["max_abs_diff"] and all(d == 0.0 for d in fp8["max_abs_diff"].values()), (name, fp8)
+        assert len(fp8["received"]) == 2 and fp8["received"][0] == fp8["received"][1], (name, fp8)
+        if name.endswith("_skewed"):
+            assert (fp8["received"][0] == 0) == fp8["last_rank"], (name, fp8)
     # DeepEP: forward dispatch in e4m3; the backward's cached dispatch (the gradient of combine) stays fp32
-    fp8 = parity["fp8_dispatch"]["deepep"]["wire"]
+    fp8 = parity["fp8_dispatch"]["deepep_plain"]["wire"]
     assert fp8["fp8_wire"] == {"accepted": True, "sent": ["torch.float8_e4m3fn", "torch.float32"]}, fp8
     assert fp8["fp32_wire"] == {"accepted": False, "sent": ["torch.float32", "torch.float32"]}, fp8
     # all-to-all: the dispatched rows [n, 256] go as their e4m3 bytes and two fp32 scales each instead of fp32;
     # every other exchange (counts, routing weights, combine, and all of the backward) is the same
-    fp8 = parity["fp8_dispatch"]["alltoall"]["wire"]
+    fp8 = parity["fp8_dispatch"]["alltoall_plain"]["wire"]
     assert fp8["fp8_wire"]["accepted"] and not fp8["fp32_wire"]["accepted"], fp8
     plain, quantized = fp8["fp32_wire"]["sent"], fp8["fp8_wire"]["sent"]
     i = next(i for i, (dtype, shape) in enumerate(plain) if dtype == "torch.float32" and shape[1:] == [256])
@@ -400,7 +404,8 @@ def _parity(mesh, rank: int) -> dict:
             got = outputs["deepep"][name]
             diffs[name] = ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
         result[label] = diffs
-    result["fp8_dispatch"] = {backend: _fp8_dispatch_parity(mesh, rank, backend) for backend in ("deepep", "alltoall")}
+    result["fp8_dispatch"] = {f"{backend}_{case}": _fp8_dispatch_parity(mesh, rank, backend, case)
+                              for backend in ("deepep", "alltoall") for case in FP8_DISPATCH_CASES}
     return result
 
 
@@ -417,10 +422,17 @@ class _ExchangeSpy(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _fp8_dispatch_parity(mesh, rank: int, backend: str) -> dict:
-    """One MoE layer with blockwise FP8 experts on `backend`, rows sent as e4m3 vs in fp32: max |difference| of the
-    output and every gradient (the experts quantise the same 1 x 128 tiles, so 0), and what went on the wire: the
-    dtypes DeepEP's dispatch got, or every all-to-all's (dtype, shape), forward and backward."""
+#: plain: fp32; autocast: fp32 rows, experts computing in bf16 (autocast's), so the wire must quantise the rows
+#: rounded to bf16 as the experts do; skewed: every token routed to the experts of the first EP ranks, so that the
+#: last rank receives no row at all
+FP8_DISPATCH_CASES = ("plain", "autocast", "skewed")
+
+
+def _fp8_dispatch_parity(mesh, rank: int, backend: str, case: str) -> dict:
+    """One MoE layer with blockwise FP8 experts on `backend`, rows sent as e4m3 vs in fp32, in one of
+    `FP8_DISPATCH_CASES`: max |difference| of the output and every gradient (the experts quantise the same 1 x 128
+    tiles, so 0), the rows this rank's experts received, and what went on the wire: the dtypes DeepEP's dispatch
+    got, or every all-to-all's (dtype, shape), forward and backward."""
     from core.quantization import QUANTIZED_MM
     from models.deepseek_v3.moe import MoE
     from parallelisms.expert_parallel import apply_expert_parallel
@@ -430,14 +442,24 @@ def _fp8_dispatch_parity(mesh, rank: int, backend: str) -> dict:
     torch.manual_seed(0)
     reference = MoE(args)
     _init(reference, 0)
-    outputs, wire = {}, {}
+    outputs, wire, received = {}, {}, []  # received: rows per run, fp32 wire then fp8
     original = deepep_cpu.Buffer.dispatch
     for label in ("fp32_wire", "fp8_wire"):
         moe = copy.deepcopy(reference)
         setattr(moe.experts, QUANTIZED_MM, Fp8GroupedMM("blockwise"))
         apply_expert_parallel([moe], mesh, backend, args.dim, torch.float32)
+        if case == "skewed":  # selection only: no token picks the last EP rank's experts
+            moe.expert_bias[-moe.dispatcher.num_local_experts:] = -1e4
         sent = []
         wire[label] = {"accepted": moe.dispatcher.quantize_wire(128) if label == "fp8_wire" else False, "sent": sent}
+        dispatch = moe.dispatcher.dispatch
+
+        def counted(*a, _dispatch=dispatch, _received=received):
+            routed = _dispatch(*a)
+            _received.append(int(routed.counts_E.sum()))
+            return routed
+
+        moe.dispatcher.dispatch = counted
 
         def spy(self, x, *a, _sent=sent, **kw):
             _sent.append(str(x[0].dtype) if isinstance(x, tuple) else str(x.dtype))
@@ -445,18 +467,19 @@ def _fp8_dispatch_parity(mesh, rank: int, backend: str) -> dict:
 
         deepep_cpu.Buffer.dispatch = spy
         try:
-            with _ExchangeSpy(sent) if backend == "alltoall" else contextlib.nullcontext():
+            with (_ExchangeSpy(sent) if backend == "alltoall" else contextlib.nullcontext(),
+                  torch.autocast("cpu", torch.bfloat16, enabled=case == "autocast")):
                 gen = torch.Generator().manual_seed(100 + rank)
                 x = torch.randn(2, 16, args.dim, generator=gen).requires_grad_(True)
                 out = moe(x)
-                (out * torch.randn(out.shape, generator=gen)).sum().backward()
+                (out * torch.randn(out.shape, generator=gen)).sum().float().backward()
         finally:
             deepep_cpu.Buffer.dispatch = original
         outputs[label] = {"out": out.detach(), "x.grad": x.grad,
                           **{n: _local_grad(p) for n, p in moe.named_parameters()}}
     diffs = {name: (outputs["fp8_wire"][name] - want).abs().max().item()
              for name, want in outputs["fp32_wire"].items()}
-    return {"max_abs_diff": diffs, "wire": wire}
+    return {"max_abs_diff": diffs, "wire": wire, "received": received, "last_rank": rank == mesh.size() - 1}
 
 
 def _ac_config(mode: str, save_deepep: bool = True, early_stop: bool = False):

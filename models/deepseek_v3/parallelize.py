@@ -94,7 +94,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job: Parall
         apply_expert_parallel(model.moe_layers(), meshes.ep, par.expert_parallel_comm_backend, model.args.dim, dtype)
     apply_fp8(named_blocks(model), fp8_selection(job.fp8, MODULE_DEFAULTS))
     if parallel_dims.ep_enabled:
-        quantize_dispatch(model, job.fp8)
+        quantize_dispatch(model, job.fp8, routed_experts_dtype(meshes.ep, job))
     checkpoint_model(model, job.activation_checkpoint)
     compile_model(model, job.compile, fp8=job.fp8.recipe != "none")
     if parallel_dims.sharded:
@@ -102,10 +102,8 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims, meshes, job: Parall
                                                         not parallel_dims.pp_enabled)
         if job.fp8.all_gather:
             experts = meshes.experts if meshes.experts is not None else meshes.dense
-            # the routed experts compute in bf16 on CUDA and under compile (`moe._experts_grouped_mm`)
-            bf16_experts = meshes.dense.device_type == "cuda" or compiles_model(job.compile)
             apply_fp8_all_gather(model, meshes.dense.shape[-1], experts.shape[-1],
-                                 torch.bfloat16 if bf16_experts else None)
+                                 routed_experts_dtype(meshes.dense, job))
         shard_model(model, meshes, job.dtype, job.reduce_dtype, reshard)
     return model
 
@@ -121,13 +119,21 @@ def attach_context_parallel(model: nn.Module, context_parallel) -> None:
             block.moe.context_parallel = context_parallel
 
 
-def quantize_dispatch(model: nn.Module, fp8_cfg) -> int:
+def routed_experts_dtype(mesh, job: ParallelizeJob) -> torch.dtype | None:
+    """The dtype the routed experts compute in where it is fixed: bf16 on CUDA and under compile
+    (`moe._experts_grouped_mm`), else None (their input's, or autocast's). FP8 dispatch and FSDP's gathered blocks
+    quantise from it, as the experts' GEMMs do."""
+    return torch.bfloat16 if mesh.device_type == "cuda" or compiles_model(job.compile) else None
+
+
+def quantize_dispatch(model: nn.Module, fp8_cfg, experts_dtype: torch.dtype | None = None) -> int:
     """With the blockwise recipe and `fp8.dispatch`, ask the dispatcher of every MoE layer whose routed experts run
-    in FP8 to send their inputs as e4m3 in the experts' own 1 x 128 tiles; returns how many layers will."""
+    in FP8 to send their inputs as e4m3 in the experts' own 1 x 128 tiles, quantised from `experts_dtype` (the
+    dtype the experts compute in where it is fixed; None: the rows' or autocast's); returns how many layers will."""
     if not fp8_cfg.dispatch_tile:
         return 0
     fp8_layers = [moe for moe in model.moe_layers() if getattr(moe.experts, QUANTIZED_MM, None) is not None]
-    quantized = sum(moe.dispatcher.quantize_wire(fp8_cfg.dispatch_tile) for moe in fp8_layers)
+    quantized = sum(moe.dispatcher.quantize_wire(fp8_cfg.dispatch_tile, experts_dtype) for moe in fp8_layers)
     if fp8_layers:
         backend = type(fp8_layers[0].dispatcher).__name__
         logger.info("fp8 dispatch: %d of %d MoE layers with FP8 experts send e4m3 rows (%s)%s", quantized,

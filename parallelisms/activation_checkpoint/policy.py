@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext,
 
 from core.names import DEFAULT, denotes, resolve
 from core.recompute import RecomputeMemo
-from core.token_dispatch import TokenDispatcher
+from core.token_dispatch import FP8_WIRE_DTYPE, TokenDispatcher
 from parallelisms.activation_checkpoint.budget import parse_per_layer
 from parallelisms.activation_checkpoint.config import name_problem
 from parallelisms.activation_checkpoint.ops import OpTable
@@ -379,10 +379,12 @@ def _routing_metadata_policy(table: OpTable, ctx, op, *args, **kwargs) -> Checkp
 
     Those are the split sizes (a few ints per rank): saving them keeps EP at one host sync per MoE layer and
     step, where a plain full checkpoint would exchange and sync them again in backward. Token rows (floating
-    point) are recomputed, communication included, like any other activation of a fully checkpointed block.
+    point, or e4m3 as `FP8_WIRE_DTYPE` bytes) are recomputed, communication included, like any other activation of
+    a fully checkpointed block.
     """
     kind = table.kind(op, args, kwargs)
-    if kind == "d2h_copy" or (kind == "all_to_all" and not args[0].is_floating_point()):
+    if kind == "d2h_copy" or (kind == "all_to_all" and not args[0].is_floating_point()
+                              and args[0].dtype != FP8_WIRE_DTYPE):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

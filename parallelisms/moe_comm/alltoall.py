@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from core.token_dispatch import Dispatched, TokenDispatcher, host_list
+from core.token_dispatch import FP8_WIRE_DTYPE, Dispatched, TokenDispatcher, host_list
 from parallelisms.moe_comm.registry import register_comm_backend
 from quantization.fp8.quantize import dequantize, quantize
 
@@ -51,16 +51,17 @@ def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
 class _Fp8Exchange(torch.autograd.Function):
     """Rows `rows_N` of x_TD to the EP ranks as e4m3 with one fp32 scale per 1 x `block` tile, returned in x's dtype.
 
-    The tiles are the blockwise FP8 experts' own and the scales powers of two: the dequantised rows are exact in
-    x's dtype, and the experts quantise them to the same e4m3 values they would make from x. Each token is quantised
-    once, before its row is repeated for its top-k experts. The e4m3 values travel as uint8 (gloo and NCCL have no
-    float8 type), one byte each. The gradient passes straight through the quantisation and travels back in its own
-    dtype, as DeepSeek-V3's backward combine does (bf16)."""
+    The tiles are the blockwise FP8 experts' own and the scales powers of two: x rounded to `source_dtype` (the
+    dtype the experts quantise from) is quantised, the dequantised rows are exact in x's dtype, and the experts
+    quantise them to the same e4m3 values they would make from x. Each token is quantised once, before its row is
+    repeated for its top-k experts. The e4m3 values travel as `FP8_WIRE_DTYPE` bytes (gloo has no float8 type).
+    The gradient passes straight through the quantisation and travels back in its own dtype, as DeepSeek-V3's
+    backward combine does (bf16)."""
 
     @staticmethod
-    def forward(ctx, x_TD, rows_N, recv_splits, send_splits, group, block):
-        q_TD, scale_TB = quantize(x_TD, 1, block)
-        q_recv = _exchange(q_TD.view(torch.uint8)[rows_N], recv_splits, send_splits, group)
+    def forward(ctx, x_TD, rows_N, recv_splits, send_splits, group, block, source_dtype):
+        q_TD, scale_TB = quantize(x_TD.to(source_dtype), 1, block)
+        q_recv = _exchange(q_TD.view(FP8_WIRE_DTYPE)[rows_N], recv_splits, send_splits, group)
         scale_recv = _exchange(scale_TB[rows_N], recv_splits, send_splits, group)
         ctx.save_for_backward(rows_N)
         ctx.splits, ctx.group, ctx.num_tokens = (recv_splits, send_splits), group, x_TD.shape[0]
@@ -74,7 +75,7 @@ class _Fp8Exchange(torch.autograd.Function):
         # autograd's own gradient of x_TD[rows_N] (index_add_ sums a token's top-k rows in another order: in bf16
         # other bits than the unquantised path)
         grad_TD = grad_ND.new_zeros(ctx.num_tokens, grad_ND.shape[1]).index_put_((rows_N,), grad_ND, accumulate=True)
-        return grad_TD, None, None, None, None, None
+        return grad_TD, None, None, None, None, None, None
 
 
 @register_comm_backend("alltoall")
@@ -102,7 +103,8 @@ class AllToAllDispatcher(TokenDispatcher):
         send_splits, recv_splits = host_list(send_recv)
 
         if self.fp8_block:
-            x_recv = _Fp8Exchange.apply(x_TD, order_N // K, recv_splits, send_splits, self.group, self.fp8_block)
+            x_recv = _Fp8Exchange.apply(x_TD, order_N // K, recv_splits, send_splits, self.group, self.fp8_block,
+                                        self.fp8_source_dtype(x_TD))
         else:
             x_recv = all_to_all_single_autograd(x_TD[order_N // K], recv_splits, send_splits, self.group)
         w_recv = all_to_all_single_autograd(w_N.unsqueeze(-1), recv_splits, send_splits, self.group).squeeze(-1)

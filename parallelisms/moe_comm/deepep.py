@@ -261,18 +261,20 @@ HANDLES = HandleRegistry()
 
 @torch.library.custom_op("deepep::dispatch", mutates_args=())
 def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int, group_key: str,
-                 fp8_block: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+                 fp8_block: int, fp8_source: torch.dtype
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     """Layout + DeepEP dispatch. Returns (recv_x, recv_topk_idx (local ids, -1 elsewhere), recv_topk_weights,
     received tokens per local expert (CPU int64), handle id (CPU int64 scalar), the handle's tensors).
 
-    With `fp8_block` > 0, x travels as (e4m3 rows, fp32 scales per 1 x fp8_block tile) and recv_x comes back
-    dequantised, in x's dtype; gradients pass straight through (the experts quantise the same tiles themselves).
+    With `fp8_block` > 0, x rounded to `fp8_source` (the dtype the experts quantise from) travels as (e4m3 rows,
+    fp32 scales per 1 x fp8_block tile) and recv_x comes back dequantised, in x's dtype; gradients pass straight
+    through (the experts quantise the same tiles themselves).
 
     The handle's tensors are returned only so that whoever watches ops (the exact memory tracker) sees memory
     this op allocates and something keeps alive; the caller drops them and keeps the id.
     """
     buffer = BUFFERS.lookup(group_key)
-    wire_x = quantize(x, 1, fp8_block) if fp8_block else x
+    wire_x = quantize(x.to(fp8_source), 1, fp8_block) if fp8_block else x
     key = ("deepep.dispatch", group_key, tuple(x.shape), tuple(topk_idx.shape))
     forward = recompute.replay(key)
     if forward is not None:
@@ -331,7 +333,7 @@ def _dispatch_backward(ctx, grad_recv_x, grad_recv_idx, grad_recv_w, grad_counts
     grad_w = grad_recv_w.contiguous() if ctx.needs_input_grad[2] else None
     grad_x, grad_topk_w, _ = BUFFERS.lookup(handle.group_key).combine(
         grad_recv_x.contiguous(), handle.tensors, topk_weights=grad_w)
-    return grad_x, None, grad_topk_w, None, None, None
+    return grad_x, None, grad_topk_w, None, None, None, None
 
 
 def _combine_setup_context(ctx, inputs, output) -> None:
@@ -455,11 +457,11 @@ class DeepEPDispatcher(TokenDispatcher):
         # num_tokens_per_expert is not needed: DeepEP's layout kernel counts on the device itself
         wire = self.wire_dtype(x_TD.dtype)
         BUFFERS.get(self.group, x_TD.shape[1] * max(wire.itemsize, 2), lazy=True)
-        # FP8 rows are quantised from the compute dtype, as the experts would quantise them
+        # FP8 rows are quantised from the dtype the experts quantise from, in the op
         x_in = x_TD if self.fp8_block else x_TD.to(wire)
         recv_x_MD, recv_idx_MK, recv_w_MK, counts_E, handle_id, _ = torch.ops.deepep.dispatch(
             x_in.contiguous(), topk_idx_TK.contiguous(), topk_weights_TK.float().contiguous(),
-            self.num_experts, self.group_key, self.fp8_block)
+            self.num_experts, self.group_key, self.fp8_block, self.fp8_source_dtype(x_TD))
         M, K = recv_idx_MK.shape
         N = sum(counts_E.tolist())  # a CPU tensor: DeepEP already synced the counts to the host
         # group the (token, slot) pairs by local expert; slots of other ranks (-1) sort last and are cut off

@@ -61,7 +61,8 @@ def _tiles(t: torch.Tensor, tile_rows: int, tile_cols: int) -> torch.Tensor:
     out = t.new_zeros(R + pad_r, C + pad_c, dtype=torch.float32) if pad_r or pad_c else \
         t.new_empty(R, C, dtype=torch.float32)
     out[:R, :C] = t
-    return out.view((R + pad_r) // tile_rows, tile_rows, -1, tile_cols)
+    # every size spelled out: a view of no rows (an EP rank that receives none) leaves a -1 undetermined
+    return out.view((R + pad_r) // tile_rows, tile_rows, (C + pad_c) // tile_cols, tile_cols)
 
 
 def _abs_max(t: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
