@@ -156,10 +156,13 @@ def block_items(args: ModelArgs, moe: bool, sh: Shape, aux_loss: bool = False, e
         items.append(Item("experts.padded_row", R * _I64, True, "other"))  # where each row went, for the way back
     if sh.ep > 1:
         # all-to-all outputs (tokens there and back) and the regrouping indices; FP8 dispatch receives e4m3 rows
-        # and their scales, dequantised on arrival (inside the exchange op, or after it)
-        items += [Item("ep.recv", math.ceil(R * D * wire_bytes), False, "all_to_all"),
-                  Item("ep.recv_dequantised", R * D * a, False, "other")] if wire_bytes and not sh.fp8_dispatch_in_op \
-            else [Item("ep.recv", R * D * a, False, "all_to_all")]
+        # and their scales, dequantised on arrival: after the exchange op, or inside it (then the op's output is
+        # in the compute dtype)
+        if wire_bytes and not sh.fp8_dispatch_in_op:
+            items += [Item("ep.recv", math.ceil(R * D * wire_bytes), False, "all_to_all"),
+                      Item("ep.recv_dequantised", R * D * a, False, "other")]
+        else:
+            items.append(Item("ep.recv", R * D * a, False, "all_to_all"))
         items += [Item("ep.back", N * D * a, False, "all_to_all"),
                   Item("ep.regroup", 2 * R * _I64, True, "other"),
                   # the top-k ids and weights of each received token (at most R tokens, at most T per EP rank)

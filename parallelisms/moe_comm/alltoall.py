@@ -42,9 +42,10 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """`t`'s rows to the ranks of `group`, in_splits[r] of them to rank r; out_splits[r] rows come from rank r.
-    The functional collective: activation checkpointing sees the op (`all_to_all`) and can save its output."""
+def _exchange(t: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group) -> torch.Tensor:
+    """`t`'s rows to the ranks of `group`, in_splits[r] of them to rank r; out_splits[r] rows come from rank r
+    (None: even splits). The functional (out-of-place) collective: activation checkpointing sees the op
+    (`all_to_all`) and can save its output."""
     return funcol.wait_tensor(funcol.all_to_all_single(t.contiguous(), out_splits, in_splits, group))
 
 
@@ -94,9 +95,8 @@ class AllToAllDispatcher(TokenDispatcher):
         w_N = topk_weights_TK.reshape(-1)[order_N]
 
         # counts_recv[r, e]: rows rank r sends to my local expert e
-        # functional (out-of-place) collective: activation checkpointing can save its output, so a recompute
-        # never exchanges the counts again
-        counts_recv = funcol.wait_tensor(funcol.all_to_all_single(num_tokens_per_expert, None, None, self.group))
+        # saved by activation checkpointing (`_exchange`), so a recompute never exchanges the counts again
+        counts_recv = _exchange(num_tokens_per_expert, None, None, self.group)
         counts_recv_RE = counts_recv.view(self.ep, E_local)
         # the one device-to-host sync of EP: the collectives need split sizes on the host
         send_recv = torch.stack([num_tokens_per_expert.view(self.ep, E_local).sum(1), counts_recv_RE.sum(1)])

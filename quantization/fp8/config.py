@@ -49,8 +49,8 @@ class Fp8Section:
     dispatch: bool = True
     """With the blockwise recipe and FP8 routed experts, expert parallelism sends the experts' inputs as e4m3 with
     one scale per 1x128 tile, as DeepSeek-V3 does, where the comm backend supports it (both built-in backends do;
-    the log says whether it does; combine and the backward stay in the compute dtype): about half the bytes of bf16, and the experts see
-    the same values."""
+    the log says whether it does; combine and the backward stay in the compute dtype): about half the bytes of
+    bf16, and the experts see the same values."""
     all_gather: bool = True
     """With the blockwise recipe and FSDP, each rank quantises its shard of the FP8 modules' weights and FSDP
     gathers the e4m3 blocks (1 byte per element and a scale per 128x128 block, not the param dtype's 2 or 4), which
